@@ -1,0 +1,255 @@
+"""Multi-tensor loss-scale kernels: one XLA computation over a whole gradient list.
+
+Every step of mixed-precision training touches every gradient twice outside
+the matmuls: to undo the loss scale and to check that it is finite. Done per
+tensor that is hundreds of tiny ops; here it is one compiled computation
+(:mod:`keras_mp.xla` decides where it is compiled). The same pass can also
+measure the statistics that the adaptive precision policy needs, so the loss
+scaler and the policy share one mechanism.
+
+Statistics, per gradient tensor (fractions are of the tensor's elements):
+
+========================  ===================================================
+``amax``                  largest finite ``|g / scale|``; how close the
+                          tensor is to overflowing at the current scale.
+``nonfinite``             fraction of inf/nan elements: the step is skipped.
+``fp16_underflow``        fraction with ``0 < |g| < 2**-24`` (the smallest
+                          float16 subnormal): these become 0 if this gradient
+                          is carried in float16 at the current loss scale.
+``fp16_subnormal``        fraction with ``2**-24 <= |g| < 2**-14``: kept by
+                          float16 but with fewer than 10 bits of precision.
+``fp16_overflow``         fraction with ``|g| > 65504``: inf in float16.
+``bf16_subnormal``        fraction with ``0 < |g / scale| < 2**-126``: below
+                          bfloat16's normal range, where it has no precision.
+``zero``                  fraction of exact zeros: a float16 layer whose
+                          gradients underflowed shows them here.
+========================  ===================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from keras_mp import xla
+
+__all__ = [
+    "GradientStatistics",
+    "STATISTICS",
+    "unscale_and_check",
+    "gradient_statistics",
+    "unscale_with_statistics",
+]
+
+_FP16_TINY = 2.0**-24  # smallest positive float16 subnormal
+_FP16_MIN_NORMAL = 2.0**-14
+_FP16_MAX = 65504.0
+_BF16_MIN_NORMAL = 2.0**-126
+
+
+class GradientStatistics(NamedTuple):
+    """Per-tensor statistics of one gradient list; each field has shape ``[n]``."""
+
+    amax: tf.Tensor
+    nonfinite: tf.Tensor
+    fp16_underflow: tf.Tensor
+    fp16_subnormal: tf.Tensor
+    fp16_overflow: tf.Tensor
+    bf16_subnormal: tf.Tensor
+    zero: tf.Tensor
+
+    def all_finite(self) -> tf.Tensor:
+        """A scalar bool: no tensor has a non-finite element."""
+        return tf.equal(tf.reduce_max(self.nonfinite), 0.0)
+
+
+STATISTICS: tuple[str, ...] = GradientStatistics._fields
+
+
+def _dense(grads):
+    """Splits a gradient list into the dense tensors the kernel takes and a
+    way to put the results back (None and IndexedSlices stay outside XLA:
+    IndexedSlices have a batch-dependent shape that would recompile)."""
+    dense_idx = [i for i, g in enumerate(grads)
+                 if g is not None and not isinstance(g, tf.IndexedSlices)]
+    return dense_idx, [tf.convert_to_tensor(grads[i]) for i in dense_idx]
+
+
+def _tensor_stats(g32, u32):
+    a = tf.abs(g32)
+    ua = tf.abs(u32)
+    finite = tf.math.is_finite(g32)
+    n = tf.cast(tf.size(g32), tf.float32)
+
+    def frac(mask):
+        return tf.reduce_sum(tf.cast(mask, tf.float32)) / tf.maximum(n, 1.0)
+
+    nonzero = a > 0.0
+    return (
+        tf.reduce_max(tf.where(finite, ua, 0.0)) if g32.shape.num_elements() != 0
+        else tf.constant(0.0),
+        frac(tf.logical_not(finite)),
+        frac(nonzero & (a < _FP16_TINY)),
+        frac((a >= _FP16_TINY) & (a < _FP16_MIN_NORMAL)),
+        frac(finite & (a > _FP16_MAX)),
+        frac((ua > 0.0) & (ua < _BF16_MIN_NORMAL)),
+        frac(tf.equal(a, 0.0)),
+    )
+
+
+def _fused(grads, scale, *, unscale: bool, stats: bool):
+    scale = tf.cast(scale, tf.float32)
+    outs, rows, nonfinite = [], [], []
+    for g in grads:
+        g32 = tf.cast(g, tf.float32)
+        u32 = g32 / scale
+        if unscale:
+            outs.append(tf.cast(u32, g.dtype))
+        if stats:
+            rows.append(_tensor_stats(g32, u32))
+        else:
+            nonfinite.append(tf.reduce_any(tf.logical_not(tf.math.is_finite(g32))))
+    if stats:
+        columns = [tf.stack(c) for c in zip(*rows)] if rows else [
+            tf.zeros([0])] * len(STATISTICS)
+        result = tuple(columns)
+    else:
+        result = tf.stack(nonfinite) if nonfinite else tf.zeros([0], tf.bool)
+    return outs, result
+
+
+@xla.jit("elementwise")
+def _unscale_check_kernel(grads, scale):
+    return _fused(grads, scale, unscale=True, stats=False)
+
+
+@xla.jit("elementwise")
+def _stats_kernel(grads, scale):
+    return _fused(grads, scale, unscale=False, stats=True)[1]
+
+
+@xla.jit("elementwise")
+def _unscale_stats_kernel(grads, scale):
+    return _fused(grads, scale, unscale=True, stats=True)
+
+
+def _merge(grads, dense_idx, dense_out, scale):
+    out = list(grads)
+    for i, u in zip(dense_idx, dense_out):
+        out[i] = u
+    for i, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices):
+            v = tf.cast(tf.cast(g.values, tf.float32) / tf.cast(scale, tf.float32),
+                        g.values.dtype)
+            out[i] = tf.IndexedSlices(v, g.indices, g.dense_shape)
+    return out
+
+
+def _slices_nonfinite(grads) -> list[tf.Tensor]:
+    return [tf.reduce_any(tf.logical_not(tf.math.is_finite(g.values)))
+            for g in grads if isinstance(g, tf.IndexedSlices)]
+
+
+def nonfinite_mask(grads: Sequence, scale) -> tf.Tensor:
+    """A bool vector, one entry per gradient in ``grads`` (False for None):
+    True where the gradient holds inf or nan."""
+    return unscale_and_check(grads, scale, return_mask=True)[1]
+
+
+def unscale_and_check(grads: Sequence, scale, *, return_mask: bool = False):
+    """Divides every gradient by ``scale`` and checks all are finite, in one
+    compiled computation.
+
+    Args:
+        grads: a list of gradients (tensors, ``tf.IndexedSlices`` or None).
+        scale: the loss scale, a scalar.
+        return_mask: if True, return a per-gradient bool vector of
+            non-finite gradients instead of the single flag.
+
+    Returns:
+        ``(unscaled_grads, all_finite)``: the list in the same structure
+        (None stays None; dtypes are kept) and a scalar bool tensor, or the
+        per-gradient mask when ``return_mask``.
+
+    Example:
+        >>> import tensorflow as tf, keras_mp
+        >>> g, ok = keras_mp.kernels.unscale_and_check(
+        ...     [tf.constant([4.0, 8.0]), None], 4.0)
+        >>> g[0].numpy().tolist(), g[1], bool(ok)
+        ([1.0, 2.0], None, True)
+    """
+    grads = list(grads)
+    dense_idx, dense = _dense(grads)
+    dense_out, dense_nonfinite = _unscale_check_kernel(dense, scale) if dense else ([], None)
+    mask = [tf.constant(False)] * len(grads)
+    for k, i in enumerate(dense_idx):
+        mask[i] = dense_nonfinite[k]
+    slices = iter(_slices_nonfinite(grads))
+    for i, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices):
+            mask[i] = next(slices)
+    mask_t = tf.stack(mask) if mask else tf.zeros([0], tf.bool)
+    unscaled = _merge(grads, dense_idx, dense_out, scale)
+    if return_mask:
+        return unscaled, mask_t
+    return unscaled, tf.logical_not(tf.reduce_any(mask_t))
+
+
+def _scatter_stats(n, dense_idx, columns) -> GradientStatistics:
+    if len(dense_idx) == n:
+        return GradientStatistics(*columns)
+    idx = tf.constant([[i] for i in dense_idx], tf.int32, shape=[len(dense_idx), 1])
+    return GradientStatistics(*[tf.scatter_nd(idx, c, [n]) for c in columns])
+
+
+def gradient_statistics(grads: Sequence, scale) -> GradientStatistics:
+    """Statistics of every gradient at the current loss scale, in one pass.
+
+    Args:
+        grads: a list of (loss-scaled) gradients; None and
+            ``tf.IndexedSlices`` entries get all-zero statistics.
+        scale: the loss scale the gradients carry.
+
+    Returns:
+        A :class:`GradientStatistics` whose fields are float32 vectors with
+        one entry per gradient (see the module docstring for each field).
+
+    Example:
+        >>> import tensorflow as tf, keras_mp
+        >>> s = keras_mp.kernels.gradient_statistics(
+        ...     [tf.constant([1e-9, 1.0, float("inf"), 0.0])], 1.0)
+        >>> float(s.nonfinite[0]), float(s.fp16_underflow[0]), float(s.zero[0])
+        (0.25, 0.25, 0.25)
+    """
+    grads = list(grads)
+    dense_idx, dense = _dense(grads)
+    if not dense:
+        return GradientStatistics(*[tf.zeros([len(grads)])] * len(STATISTICS))
+    return _scatter_stats(len(grads), dense_idx, _stats_kernel(dense, scale))
+
+
+def unscale_with_statistics(grads: Sequence, scale):
+    """:func:`unscale_and_check` and :func:`gradient_statistics` in one pass.
+
+    Returns:
+        ``(unscaled_grads, statistics)``; ``statistics.all_finite()`` is the
+        finite flag. Non-finite ``tf.IndexedSlices`` gradients are counted in
+        ``statistics.nonfinite`` as a fraction of 1.
+    """
+    grads = list(grads)
+    dense_idx, dense = _dense(grads)
+    if dense:
+        dense_out, columns = _unscale_stats_kernel(dense, scale)
+        stats = _scatter_stats(len(grads), dense_idx, columns)
+    else:
+        dense_out = []
+        stats = GradientStatistics(*[tf.zeros([len(grads)])] * len(STATISTICS))
+    slice_idx = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+    if slice_idx:
+        flags = tf.cast(tf.stack(_slices_nonfinite(grads)), tf.float32)
+        idx = tf.constant([[i] for i in slice_idx], tf.int32)
+        stats = stats._replace(
+            nonfinite=stats.nonfinite + tf.scatter_nd(idx, flags, [len(grads)]))
+    return _merge(grads, dense_idx, dense_out, scale), stats
