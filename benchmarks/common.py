@@ -1,0 +1,198 @@
+"""Timing helpers shared by every benchmark scenario.
+
+Absolute times drift between runs and machines (other processes share the
+CPU), so every scenario measures its variants side by side in one process and
+reports ratios; each figure is the median of several repeats with its spread.
+
+Example:
+    >>> import time
+    >>> from benchmarks.common import time_steps, format_ratio_table
+    >>> t = time_steps(lambda: time.sleep(0.001), steps=2, warmup=1, repeats=3)
+    >>> sorted(t)
+    ['median', 'samples', 'spread']
+    >>> len(t["samples"])
+    3
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "time_steps",
+    "side_by_side",
+    "format_ratio_table",
+    "peak_rss_mb",
+    "sync",
+    "quiet_tensorflow",
+]
+
+
+def sync(result: Any) -> None:
+    """Waits until ``result`` (a tensor, or a nest of them) is computed.
+
+    TensorFlow may return before the device has finished (GPU streams, async
+    eager), so a timing must read a value back, or it times only the launch.
+    """
+    try:
+        import tensorflow as tf
+    except ImportError:  # pragma: no cover - the package requires TF
+        return
+    for t in tf.nest.flatten(result):
+        if hasattr(t, "numpy"):
+            # Reading one element forces the whole computation but copies
+            # almost nothing back.
+            tf.reshape(t, [-1])[:1].numpy() if t.shape.rank else t.numpy()
+
+
+def time_steps(fn: Callable[[], Any], steps: int = 10, warmup: int = 2,
+               repeats: int = 5) -> dict[str, Any]:
+    """Times ``fn`` and returns the median seconds per call and its spread.
+
+    Args:
+        fn: a callable with no arguments; its result is synchronised with
+            :func:`sync` at the end of each repeat.
+        steps: calls per repeat (> 0); the repeat's time is divided by it.
+        warmup: calls before timing (>= 0): tracing and compilation are
+            excluded this way.
+        repeats: number of timed repeats (> 0).
+
+    Returns:
+        ``{"median": s, "spread": s, "samples": [s, ...]}``, seconds per
+        call; ``spread`` is max minus min over the repeats.
+
+    Example:
+        >>> t = time_steps(lambda: sum(range(100)), steps=5, warmup=0, repeats=2)
+        >>> t["median"] >= 0 and len(t["samples"]) == 2
+        True
+    """
+    if steps < 1:
+        raise ValueError(f"`steps` must be >= 1, got {steps}.")
+    if warmup < 0:
+        raise ValueError(f"`warmup` must be >= 0, got {warmup}.")
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be >= 1, got {repeats}.")
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    if warmup:
+        sync(result)
+    samples: list[float] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            result = fn()
+        sync(result)
+        samples.append((time.perf_counter() - start) / steps)
+    return {
+        "median": statistics.median(samples),
+        "spread": max(samples) - min(samples),
+        "samples": samples,
+    }
+
+
+def side_by_side(variants: Mapping[str, Callable[[], Any]], steps: int = 10,
+                 warmup: int = 2, repeats: int = 5) -> dict[str, dict[str, Any]]:
+    """Times several variants in one process, interleaving their repeats.
+
+    Interleaving (A, B, C, A, B, C, ...) spreads any slow-down caused by other
+    processes over all variants instead of penalising whichever ran while the
+    machine was busy, which keeps their ratios honest.
+
+    Args:
+        variants: name -> callable with no arguments.
+        steps, warmup, repeats: as for :func:`time_steps`.
+
+    Returns:
+        name -> the :func:`time_steps` dict of that variant.
+
+    Example:
+        >>> r = side_by_side({"a": lambda: 1, "b": lambda: 2}, steps=1, warmup=0, repeats=2)
+        >>> sorted(r), len(r["a"]["samples"])
+        (['a', 'b'], 2)
+    """
+    if not variants:
+        raise ValueError("`variants` must name at least one callable.")
+    for fn in variants.values():
+        for _ in range(warmup):
+            result = fn()
+        if warmup:
+            sync(result)
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            samples[name].extend(
+                time_steps(fn, steps=steps, warmup=0, repeats=1)["samples"])
+    return {
+        name: {"median": statistics.median(s), "spread": max(s) - min(s), "samples": s}
+        for name, s in samples.items()
+    }
+
+
+def format_ratio_table(rows: Sequence[Mapping[str, Any]], baseline: str | None = None) -> str:
+    """Formats timings as a Markdown table with ratios against a baseline.
+
+    Args:
+        rows: each a mapping with ``"name"``, ``"median"`` and ``"spread"``
+            (seconds), optionally extra columns (e.g. ``"peak_mb"``).
+        baseline: the row name every ratio is relative to (its time divided
+            by the row's time, so > 1 means faster than the baseline); the
+            first row when None.
+
+    Returns:
+        The table as a string.
+
+    Example:
+        >>> print(format_ratio_table([
+        ...     {"name": "ref", "median": 0.02, "spread": 0.001},
+        ...     {"name": "fused", "median": 0.01, "spread": 0.0005}]))
+        | variant | median ms | spread ms | speed-up vs ref |
+        | --- | ---: | ---: | ---: |
+        | ref | 20.000 | 1.000 | 1.00x |
+        | fused | 10.000 | 0.500 | 2.00x |
+    """
+    if not rows:
+        raise ValueError("`rows` must hold at least one row.")
+    names = [r["name"] for r in rows]
+    base_name = names[0] if baseline is None else baseline
+    if base_name not in names:
+        raise ValueError(f"`baseline` must be one of {names}, got {baseline!r}.")
+    base = next(r for r in rows if r["name"] == base_name)["median"]
+    extra = [k for k in rows[0] if k not in ("name", "median", "spread", "samples")]
+    header = ["variant", "median ms", "spread ms", f"speed-up vs {base_name}", *extra]
+    lines = ["| " + " | ".join(header) + " |",
+             "| --- | ---: | ---: | ---: |" + " ---: |" * len(extra)]
+    for r in rows:
+        cells = [str(r["name"]), f"{r['median'] * 1e3:.3f}", f"{r['spread'] * 1e3:.3f}",
+                 f"{base / r['median']:.2f}x" if r["median"] > 0 else "inf"]
+        cells += [_cell(r.get(k)) for k in extra]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    return "" if value is None else str(value)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB.
+
+    It never goes down, so compare variants run in separate processes, or
+    read it before and after each one.
+    """
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def quiet_tensorflow() -> None:
+    """Silences TensorFlow's C++ start-up log before it is imported."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
