@@ -1,0 +1,85 @@
+"""``fuse(model)``: a copy of a Keras model with its layers swapped for fused ones.
+
+Example:
+    >>> import keras, numpy as np
+    >>> from keras_mp.fuse import fuse
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="gelu"),
+    ...                           keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+    >>> fused = fuse(model)
+    >>> [type(l).__module__ for l in fused.layers]
+    ['keras_mp.layers', 'keras_mp.layers', 'keras_mp.layers']
+    >>> x = np.ones((3, 4), "float32")
+    >>> bool(np.allclose(model(x), fused(x), atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_mp.layers import FUSED_LAYERS
+
+__all__ = ["fuse"]
+
+
+def _swap(layer: keras.layers.Layer) -> keras.layers.Layer:
+    fused_cls = FUSED_LAYERS.get(type(layer))
+    config = layer.get_config()
+    if fused_cls is not None:
+        return fused_cls.from_config(config)
+    # Every other layer is cloned as clone_model would, so the copy shares
+    # no state with the original.
+    return layer.__class__.from_config(config)
+
+
+def fuse(model: keras.Model) -> keras.Model:
+    """Returns a copy of ``model`` with the supported layers fused.
+
+    ``keras.layers.Dense``, ``LayerNormalization``, ``RMSNormalization`` and
+    ``Softmax`` (exactly these classes, not subclasses of them) become their
+    :mod:`keras_mp.layers` counterparts, with the same config, so the same
+    dtype policy, and the same weights; nested functional and Sequential
+    models are fused too. The original model is left untouched. The copy is
+    not compiled: compile it as you would the original.
+
+    Args:
+        model: a built Keras functional or ``Sequential`` model.
+
+    Returns:
+        The fused copy, whose outputs equal the original's within the
+        rounding of its compute dtype.
+
+    Raises:
+        TypeError: ``model`` is not a functional or Sequential model
+            (a subclassed model's ``call`` cannot be rewired from outside).
+        ValueError: ``model`` is not built yet.
+    """
+    if not isinstance(model, keras.Model) or not _is_graph_model(model):
+        raise TypeError(
+            "`model` must be a Keras functional or Sequential model, got "
+            f"{type(model).__name__}; for a subclassed model, use the layers "
+            "of keras_mp.layers in its definition instead.")
+    if not model.built:
+        raise ValueError(
+            "`model` must be built (call it once, or give it an Input) so its "
+            "weights can be carried over.")
+    fused = keras.models.clone_model(model, clone_function=_swap, recursive=True)
+    _copy_weights(model, fused)
+    return fused
+
+
+def _is_graph_model(model: keras.Model) -> bool:
+    return isinstance(model, keras.Sequential) or type(model) is keras.Model or (
+        hasattr(model, "_operations") and hasattr(model, "_nodes_by_depth"))
+
+
+def _copy_weights(source: keras.Model, target: keras.Model) -> None:
+    src, dst = source.weights, target.weights
+    # The fused layers create the same weights in the same order as the
+    # Keras ones, so the lists pair up; the check guards that assumption.
+    if len(src) != len(dst) or any(a.shape != b.shape for a, b in zip(src, dst)):
+        raise RuntimeError(
+            "fuse(): the fused copy's weights do not match the model's "
+            f"({len(src)} vs {len(dst)} variables); please report this model.")
+    for a, b in zip(src, dst):
+        b.assign(a)
