@@ -488,7 +488,10 @@ def _ce_parts(labels, logits):
 @xla.jit("elementwise")
 def _ce_fwd(labels, logits):
     z, onehot, valid = _ce_parts(labels, logits)
-    loss = tf.reduce_logsumexp(z, -1) - tf.reduce_sum(z * onehot, -1)
+    # A select, not z * onehot: a -inf logit of another class (a masked
+    # vocabulary entry) times 0 would make the loss nan.
+    picked = tf.reduce_sum(tf.where(onehot > 0.0, z, 0.0), -1)
+    loss = tf.reduce_logsumexp(z, -1) - picked
     # An out-of-range label is a bug in the data; NaN makes it visible (and
     # trips the loss scaler's finite check) instead of a plausible loss.
     return tf.cast(tf.where(valid, loss, float("nan")), logits.dtype)

@@ -1,0 +1,320 @@
+"""keras_mp.ops: every fused op against its reference, forward and backward,
+in float32, bfloat16 and float16, really XLA-compiled, and inf/nan handling.
+
+Tolerances: the fused op rounds once, at its output, while the reference is
+evaluated here in float32 on the same (already rounded) inputs, so the two
+differ by about one unit in the last place of the dtype: float32 1e-5,
+float16 2e-3 (10 mantissa bits) and bfloat16 2e-2 (7 bits), relative and
+absolute, for values of order one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_mp import ops as kops
+from keras_mp import xla
+
+DTYPES = ["float32", "bfloat16", "float16"]
+TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
+# Gradients are sums over a row or a batch of rounded products: allow more.
+GRAD_TOL = {"float32": 1e-4, "bfloat16": 6e-2, "float16": 1e-2}
+
+ACTIVATIONS = [("linear", False), ("relu", False), ("gelu", False), ("gelu", True),
+               ("silu", False), ("tanh", False)]
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _as(x: np.ndarray, dtype: str) -> tf.Tensor:
+    return tf.cast(tf.constant(x, tf.float32), dtype)
+
+
+def _f32(t) -> np.ndarray:
+    return tf.cast(t, tf.float32).numpy()
+
+
+def _value_and_grads(fn, inputs, cotangent):
+    """Output of ``fn(*inputs)`` and the gradients of <output, cotangent>."""
+    with tf.GradientTape() as tape:
+        tape.watch(inputs)
+        y = fn(*inputs)
+        loss = tf.reduce_sum(tf.cast(y, tf.float32) * cotangent)
+    return y, tape.gradient(loss, inputs)
+
+
+def _compare(fused_fn, ref_fn, inputs, dtype, out_shape):
+    """Fused op on the dtype inputs vs the reference on their float32 values."""
+    cot = tf.constant(_rng(9).normal(size=out_shape), tf.float32)
+    y, grads = _value_and_grads(fused_fn, inputs, cot)
+    ref_inputs = [tf.cast(t, tf.float32) for t in inputs]
+    y_ref, grads_ref = _value_and_grads(ref_fn, ref_inputs, cot)
+    assert y.dtype == inputs[0].dtype
+    np.testing.assert_allclose(_f32(y), _f32(y_ref), rtol=TOL[dtype], atol=TOL[dtype])
+    for g, g_ref, t in zip(grads, grads_ref, inputs):
+        assert g.dtype == t.dtype
+        np.testing.assert_allclose(_f32(g), _f32(g_ref), rtol=GRAD_TOL[dtype],
+                                   atol=GRAD_TOL[dtype])
+
+
+@pytest.fixture(autouse=True)
+def _default_xla():
+    xla.set_xla("elementwise", None)
+    yield
+    xla.set_xla("elementwise", None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation,approximate", ACTIVATIONS)
+def test_bias_activation_matches_reference(activation, approximate, dtype):
+    x = _as(_rng().normal(size=(3, 5, 16)) * 2, dtype)
+    b = tf.constant(_rng(1).normal(size=(16,)), tf.float32)
+    _compare(lambda x, b: kops.bias_activation(x, b, activation, approximate=approximate),
+             lambda x, b: kops.bias_activation_reference(x, b, activation,
+                                                         approximate=approximate),
+             [x, b], dtype, (3, 5, 16))
+
+
+def test_bias_activation_gelu_forms_differ_and_follow_keras():
+    import keras
+    x = tf.constant(np.linspace(-3, 3, 64, dtype="float32"))
+    exact = kops.bias_activation(x, None, "gelu", approximate=False)
+    approx = kops.bias_activation(x, None, "gelu", approximate=True)
+    np.testing.assert_allclose(exact, keras.activations.gelu(x, approximate=False), atol=1e-6)
+    np.testing.assert_allclose(approx, keras.activations.gelu(x, approximate=True), atol=1e-6)
+    assert np.abs(exact.numpy() - approx.numpy()).max() > 1e-4
+
+
+def test_bias_activation_gradient_matches_finite_differences():
+    x = tf.constant(_rng().normal(size=(2, 4)), tf.float64)
+    b = tf.constant(_rng(1).normal(size=(4,)), tf.float64)
+    # float32 math inside: finite differences in float64 see its rounding only.
+    theo, num = tf.test.compute_gradient(
+        lambda x, b: tf.cast(kops.bias_activation(x, b, "gelu"), tf.float64), [x, b],
+        delta=1e-3)
+    for t, n in zip(theo, num):
+        np.testing.assert_allclose(t, n, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_matches_reference(dtype):
+    x = _as(_rng().normal(size=(4, 3, 32)) * 3 + 1, dtype)
+    g = tf.constant(_rng(1).normal(size=(32,)), tf.float32)
+    b = tf.constant(_rng(2).normal(size=(32,)), tf.float32)
+    _compare(lambda x, g, b: kops.layer_norm(x, g, b, epsilon=1e-3),
+             lambda x, g, b: kops.layer_norm_reference(x, g, b, epsilon=1e-3),
+             [x, g, b], dtype, (4, 3, 32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference(dtype):
+    x = _as(_rng().normal(size=(4, 3, 32)) * 3, dtype)
+    s = tf.constant(_rng(1).normal(size=(32,)), tf.float32)
+    _compare(lambda x, s: kops.rms_norm(x, s, epsilon=1e-6),
+             lambda x, s: kops.rms_norm_reference(x, s, epsilon=1e-6),
+             [x, s], dtype, (4, 3, 32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_matches_reference(dtype, masked):
+    x = _as(_rng().normal(size=(2, 3, 8, 8)) * 3, dtype)
+    mask = None
+    if masked:
+        # Causal mask, broadcast over batch and heads; row 0 keeps one entry.
+        mask = tf.constant(np.tril(np.ones((8, 8), bool)))[None, None]
+    _compare(lambda x: kops.softmax(x, mask), lambda x: kops.softmax_reference(x, mask),
+             [x], dtype, (2, 3, 8, 8))
+
+
+def test_softmax_numeric_mask_and_fully_masked_rows():
+    x = tf.constant([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    mask = tf.constant([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    y = kops.softmax(x, mask).numpy()
+    e = np.exp([1.0, 3.0])
+    np.testing.assert_allclose(y[0], [e[0] / e.sum(), 0.0, e[1] / e.sum()], rtol=1e-6)
+    np.testing.assert_array_equal(y[1], [0.0, 0.0, 0.0])
+    np.testing.assert_allclose(y, kops.softmax_reference(x, mask), atol=1e-6)
+
+
+def test_softmax_other_axis():
+    x = tf.constant(_rng().normal(size=(4, 6)), tf.float32)
+    np.testing.assert_allclose(kops.softmax(x, axis=0), kops.softmax_reference(x, axis=0),
+                               atol=1e-6)
+
+
+def test_softmax_float16_large_logits_stay_finite():
+    # Logits near float16's maximum: the fused op masks and normalises in
+    # float32, so nothing overflows and masked entries are exactly zero.
+    x = tf.constant([[60000.0, 65000.0, -65000.0, 100.0]], tf.float16)
+    mask = tf.constant([[True, True, False, True]])
+    y = kops.softmax(x, mask)
+    assert y.dtype == tf.float16
+    np.testing.assert_allclose(_f32(y), [[0.0, 1.0, 0.0, 0.0]], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_softmax_cross_entropy_matches_reference(dtype):
+    logits = _as(_rng().normal(size=(6, 5, 10)) * 2, dtype)
+    labels = tf.constant(_rng(1).integers(0, 10, size=(6, 5)), tf.int32)
+    cot = tf.constant(_rng(2).normal(size=(6, 5)), tf.float32)
+    y, (g,) = _value_and_grads(lambda z: kops.sparse_softmax_cross_entropy(labels, z),
+                               [logits], cot)
+    y_ref, (g_ref,) = _value_and_grads(
+        lambda z: kops.sparse_softmax_cross_entropy_reference(labels, z),
+        [tf.cast(logits, tf.float32)], cot)
+    assert y.dtype == logits.dtype and g.dtype == logits.dtype
+    np.testing.assert_allclose(_f32(y), y_ref, rtol=TOL[dtype], atol=TOL[dtype])
+    np.testing.assert_allclose(_f32(g), g_ref, rtol=GRAD_TOL[dtype], atol=GRAD_TOL[dtype])
+
+
+def test_sparse_softmax_cross_entropy_out_of_range_label_is_nan():
+    logits = tf.zeros([3, 4])
+    loss = kops.sparse_softmax_cross_entropy(tf.constant([0, 4, -1]), logits).numpy()
+    assert np.isfinite(loss[0]) and np.isnan(loss[1]) and np.isnan(loss[2])
+
+
+# --------------------------------------------------------------------------
+# inf / nan
+
+
+def test_bias_activation_propagates_nonfinite_like_reference():
+    x = tf.constant([[np.inf, -np.inf, np.nan, 1.0]], tf.float32)
+    for act, approximate in ACTIVATIONS:
+        y = kops.bias_activation(x, tf.zeros([4]), act, approximate=approximate).numpy()
+        ref = kops.bias_activation_reference(x, tf.zeros([4]), act,
+                                             approximate=approximate).numpy()
+        msg = f"{act} approximate={approximate}"
+        # What matters downstream is that a non-finite input stays visible to
+        # the loss scaler's finite check; the kind of non-finite may differ
+        # (gelu(-inf) is -inf*0: nan in TF, -inf under XLA's erf).
+        np.testing.assert_array_equal(np.isfinite(y), np.isfinite(ref), err_msg=msg)
+        finite = np.isfinite(ref)
+        np.testing.assert_allclose(y[finite], ref[finite], atol=1e-6, err_msg=msg)
+
+
+def test_normalizations_confine_nonfinite_rows():
+    x = np.ones((3, 8), "float32") * np.arange(8, dtype="float32")
+    x[1, 2] = np.inf
+    x[2, 5] = np.nan
+    for y in (kops.layer_norm(x), kops.rms_norm(x)):
+        y = y.numpy()
+        assert np.isfinite(y[0]).all()
+        assert np.isnan(y[1]).any() and np.isnan(y[2]).all()
+
+
+def test_softmax_and_cross_entropy_with_infinite_logits():
+    x = tf.constant([[-np.inf, 0.0, 0.0], [np.nan, 0.0, 0.0]])
+    y = kops.softmax(x).numpy()
+    np.testing.assert_allclose(y[0], [0.0, 0.5, 0.5])
+    assert np.isnan(y[1]).all()
+    loss = kops.sparse_softmax_cross_entropy(tf.constant([1, 1]), x).numpy()
+    np.testing.assert_allclose(loss[0], np.log(2.0), rtol=1e-6)
+    assert np.isnan(loss[1])
+    np.testing.assert_allclose(
+        loss, kops.sparse_softmax_cross_entropy_reference(tf.constant([1, 1]), x),
+        rtol=1e-6, equal_nan=True)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = kops.sparse_softmax_cross_entropy(tf.constant([1, 1]), x)
+    g = tape.gradient(loss, x).numpy()
+    np.testing.assert_allclose(g[0], [0.0, -0.5, 0.5], atol=1e-6)
+    assert np.isnan(g[1]).all()
+
+
+# --------------------------------------------------------------------------
+# compilation
+
+
+def _kernel_args():
+    x = tf.ones([2, 3, 8], tf.bfloat16)
+    v = tf.ones([8], tf.float32)
+    labels = tf.zeros([2, 3], tf.int32)
+    mask = tf.ones([2, 3, 8], tf.bool)
+    return {
+        "bias_activation": [(x, v, "gelu"), (x, x, v, "gelu")],
+        "layer_norm": [(x, v, v, 1e-3), (x, x, v, v, 1e-3)],
+        "rms_norm": [(x, v, 1e-6), (x, x, v, 1e-6)],
+        "softmax": [(x, mask, -1), (x, x, -1)],
+        "sparse_softmax_cross_entropy": [(labels, x), (tf.ones([2, 3], tf.bfloat16), labels, x)],
+    }
+
+
+@pytest.mark.parametrize("op", sorted(kops._FUSED))
+def test_kernels_compile_to_plain_hlo(op):
+    for kernel, args in zip(kops._FUSED[op], _kernel_args()[op]):
+        hlo = kernel.compiled.experimental_get_compiler_ir(*args)(stage="hlo")
+        assert hlo.startswith("HloModule"), hlo[:200]
+        # A custom-call would be work XLA hands back to a library kernel.
+        assert "custom-call" not in hlo, op
+
+
+def test_op_inside_a_graph_runs_only_compiled_calls():
+    """The traced training graph contains no elementwise TF op of the fused
+    op's own: every piece of work is a call marked for XLA compilation."""
+
+    @tf.function
+    def step(x, b):
+        with tf.GradientTape() as tape:
+            tape.watch([x, b])
+            y = kops.bias_activation(x, b, "gelu")
+        return y, tape.gradient(y, [x, b])
+
+    graph = step.get_concrete_function(tf.TensorSpec([4, 8], tf.bfloat16),
+                                       tf.TensorSpec([8], tf.float32)).graph
+    allowed = {"Placeholder", "Identity", "IdentityN", "Const", "NoOp", "OnesLike",
+               "PartitionedCall", "StatefulPartitionedCall", "Fill", "Shape"}
+    types = {op.type for op in graph.get_operations()}
+    assert types <= allowed, types - allowed
+    calls = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
+    assert len(calls) == 2  # forward and backward
+    for call in calls:
+        fn_name = call.get_attr("f").name
+        fdef = graph._get_function(fn_name).cached_definition  # noqa: SLF001
+        assert fdef.attr["_XlaMustCompile"].b, fn_name
+
+
+def test_disabled_xla_runs_the_reference():
+    x = tf.constant(_rng().normal(size=(4, 8)), tf.bfloat16)
+    xla.set_xla("elementwise", False)
+    assert not xla.uses_xla("elementwise")
+    y = kops.bias_activation(x, None, "gelu")
+    ref = kops.bias_activation_reference(x, None, "gelu")
+    np.testing.assert_array_equal(_f32(y), _f32(ref))
+
+
+def test_unusable_xla_falls_back_to_the_reference(monkeypatch):
+    monkeypatch.setitem(xla._available, xla.current_device_type(), False)  # noqa: SLF001
+    assert not xla.uses_xla("elementwise")
+    x = tf.constant(_rng().normal(size=(4, 8)), tf.float16)
+    np.testing.assert_array_equal(_f32(kops.layer_norm(x)), _f32(kops.layer_norm_reference(x)))
+
+
+# --------------------------------------------------------------------------
+# argument errors
+
+
+def test_errors_name_the_argument_and_allowed_values():
+    x = tf.ones([2, 4])
+    with pytest.raises(ValueError, match=r"`activation` must be one of .*'gelu'"):
+        kops.bias_activation(x, None, "softplus")
+    with pytest.raises(TypeError, match="`approximate`"):
+        kops.bias_activation(x, None, "gelu", approximate="tanh")
+    with pytest.raises(ValueError, match="`bias` must be a vector of length"):
+        kops.bias_activation(x, tf.ones([3]))
+    with pytest.raises(ValueError, match="`epsilon` must be a number > 0"):
+        kops.layer_norm(x, epsilon=0.0)
+    with pytest.raises(ValueError, match="`gamma`"):
+        kops.layer_norm(x, tf.ones([2]))
+    with pytest.raises(ValueError, match="`axis` must be an int"):
+        kops.softmax(x, axis=2)
+    with pytest.raises(ValueError, match="`mask` must be broadcastable"):
+        kops.softmax(x, tf.ones([1, 2, 4], tf.bool))
+    with pytest.raises(TypeError, match="`labels` must be integer"):
+        kops.sparse_softmax_cross_entropy(tf.zeros([2]), x)
+    with pytest.raises(ValueError, match="`labels` must have shape"):
+        kops.sparse_softmax_cross_entropy(tf.zeros([2, 4], tf.int32), x)
