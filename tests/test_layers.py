@@ -1,0 +1,171 @@
+"""keras_mp.layers: each fused layer against its Keras namesake under the
+float32, mixed_bfloat16 and mixed_float16 policies (outputs, input and
+weight gradients), weight/config compatibility and the Keras fallbacks.
+
+Tolerances as in test_ops.py: both layers round to the compute dtype, at
+different points, so they differ by about one unit in its last place.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_mp import layers as klayers
+
+POLICIES = ["float32", "mixed_bfloat16", "mixed_float16"]
+TOL = {"float32": 1e-5, "mixed_bfloat16": 3e-2, "mixed_float16": 3e-3}
+GRAD_TOL = {"float32": 1e-4, "mixed_bfloat16": 8e-2, "mixed_float16": 1e-2}
+
+
+def _pair(keras_cls, fused_cls, input_shape, policy, **kwargs):
+    """A Keras layer and its fused twin, built, with the same weights."""
+    ref = keras_cls(dtype=policy, **kwargs)
+    fused = fused_cls(dtype=policy, **kwargs)
+    ref.build(input_shape)
+    fused.build(input_shape)
+    rng = np.random.default_rng(3)
+    for w in ref.weights:
+        w.assign(rng.normal(size=w.shape).astype("float32"))
+    fused.set_weights(ref.get_weights())
+    return ref, fused
+
+
+def _run(layer, x, **call_kwargs):
+    cot = tf.constant(np.random.default_rng(5).normal(size=x.shape), tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, **call_kwargs)
+        loss = tf.reduce_sum(tf.cast(y, tf.float32) * cot) if y.shape == x.shape else \
+            tf.reduce_sum(tf.cast(y, tf.float32))
+    grads = tape.gradient(loss, [x, *layer.trainable_weights])
+    return y, grads
+
+
+def _assert_same(ref, fused, x, policy, **call_kwargs):
+    y_ref, g_ref = _run(ref, x, **call_kwargs)
+    y, g = _run(fused, x, **call_kwargs)
+    assert y.dtype == y_ref.dtype == tf.as_dtype(ref.compute_dtype)
+    for w in fused.weights:
+        assert w.dtype == "float32"
+    np.testing.assert_allclose(tf.cast(y, tf.float32), tf.cast(y_ref, tf.float32),
+                               rtol=TOL[policy], atol=TOL[policy])
+    for a, b in zip(g, g_ref):
+        assert a.dtype == b.dtype
+        scale = max(1.0, float(tf.reduce_max(tf.abs(tf.cast(b, tf.float32)))))
+        np.testing.assert_allclose(tf.cast(a, tf.float32) / scale,
+                                   tf.cast(b, tf.float32) / scale,
+                                   rtol=GRAD_TOL[policy], atol=GRAD_TOL[policy])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu", "tanh"])
+def test_dense_matches_keras(activation, policy):
+    ref, fused = _pair(keras.layers.Dense, klayers.Dense, (2, 3, 8), policy,
+                       units=6, activation=activation)
+    assert fused.fused
+    _assert_same(ref, fused, tf.constant(np.random.default_rng(0).normal(size=(2, 3, 8)),
+                                         tf.float32), policy)
+
+
+def test_dense_without_bias_and_unfused_activation():
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 8)), tf.float32)
+    ref, fused = _pair(keras.layers.Dense, klayers.Dense, (4, 8), "float32",
+                       units=5, activation="gelu", use_bias=False)
+    assert fused.fused
+    _assert_same(ref, fused, x, "float32")
+    ref, fused = _pair(keras.layers.Dense, klayers.Dense, (4, 8), "float32",
+                       units=5, activation="softplus")
+    assert not fused.fused  # falls back to Keras's call
+    _assert_same(ref, fused, x, "float32")
+
+
+def test_dense_with_lora_falls_back_to_keras():
+    layer = klayers.Dense(4, activation="relu")
+    layer.build((2, 8))
+    layer.enable_lora(2)
+    assert not layer.fused
+    assert layer(tf.ones([2, 8])).shape == (2, 4)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("center,scale", [(True, True), (False, True), (True, False)])
+def test_layer_normalization_matches_keras(center, scale, policy):
+    ref, fused = _pair(keras.layers.LayerNormalization, klayers.LayerNormalization,
+                       (2, 3, 16), policy, center=center, scale=scale)
+    assert fused.fused
+    x = tf.constant(np.random.default_rng(0).normal(size=(2, 3, 16)) * 2 + 1, tf.float32)
+    _assert_same(ref, fused, x, policy)
+
+
+@pytest.mark.parametrize("kwargs", [{"axis": [1, 2]}, {"rms_scaling": True}])
+def test_layer_normalization_unfused_options_run_keras(kwargs):
+    ref, fused = _pair(keras.layers.LayerNormalization, klayers.LayerNormalization,
+                       (2, 3, 16), "float32", **kwargs)
+    assert not fused.fused
+    x = tf.constant(np.random.default_rng(0).normal(size=(2, 3, 16)), tf.float32)
+    _assert_same(ref, fused, x, "float32")
+
+
+def test_layer_normalization_positive_last_axis_is_fused():
+    ref, fused = _pair(keras.layers.LayerNormalization, klayers.LayerNormalization,
+                       (2, 3, 16), "float32", axis=2)
+    assert fused.fused
+    _assert_same(ref, fused, tf.random.normal([2, 3, 16]), "float32")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_rms_normalization_matches_keras(policy):
+    ref, fused = _pair(keras.layers.RMSNormalization, klayers.RMSNormalization,
+                       (2, 3, 16), policy)
+    assert fused.fused
+    x = tf.constant(np.random.default_rng(0).normal(size=(2, 3, 16)) * 2, tf.float32)
+    _assert_same(ref, fused, x, policy)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_matches_keras(masked, policy):
+    ref, fused = _pair(keras.layers.Softmax, klayers.Softmax, (2, 4, 8), policy)
+    x = tf.constant(np.random.default_rng(0).normal(size=(2, 4, 8)) * 3, tf.float32)
+    kwargs = {}
+    if masked:
+        kwargs["mask"] = tf.constant(np.random.default_rng(1).random((2, 1, 8)) > 0.3)
+    _assert_same(ref, fused, x, policy, **kwargs)
+
+
+def test_softmax_several_axes_falls_back_to_keras():
+    ref, fused = _pair(keras.layers.Softmax, klayers.Softmax, (2, 4, 8), "float32",
+                       axis=(1, 2))
+    assert not fused.fused
+    _assert_same(ref, fused, tf.random.normal([2, 4, 8]), "float32")
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (klayers.Dense, {"units": 3, "activation": "gelu"}),
+    (klayers.LayerNormalization, {"epsilon": 1e-5}),
+    (klayers.RMSNormalization, {"epsilon": 1e-5}),
+    (klayers.Softmax, {"axis": 1}),
+])
+def test_layers_serialize_under_the_keras_mp_package(cls, kwargs):
+    layer = cls(dtype="mixed_bfloat16", **kwargs)
+    config = keras.saving.serialize_keras_object(layer)
+    assert config["registered_name"] == f"keras_mp>{cls.__name__}"
+    clone = keras.saving.deserialize_keras_object(config)
+    assert type(clone) is cls
+    assert clone.dtype_policy.name == "mixed_bfloat16"
+    assert clone.get_config() == layer.get_config()
+
+
+def test_weights_load_from_a_keras_layer_checkpoint(tmp_path):
+    ref = keras.layers.Dense(4, activation="tanh")
+    ref.build((None, 5))
+    ref.kernel.assign(tf.random.normal([5, 4]))
+    path = str(tmp_path / "dense.weights.h5")
+    keras.Sequential([keras.Input((5,)), ref]).save_weights(path)
+    fused = klayers.Dense(4, activation="tanh")
+    keras.Sequential([keras.Input((5,)), fused]).load_weights(path)
+    x = tf.random.normal([3, 5])
+    np.testing.assert_allclose(fused(x), ref(x), atol=1e-6)
