@@ -1,0 +1,114 @@
+"""keras_mp.fuse.fuse: layers swapped, weights carried, outputs and training
+equal to the original's, `.keras` save/load, and the errors it raises."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_mp import layers as klayers
+from keras_mp.fuse import fuse
+
+TOL = {"float32": 1e-5, "mixed_bfloat16": 3e-2}
+
+
+def _block(policy: str) -> keras.Model:
+    """A small Transformer-like functional model with a nested Sequential."""
+    inp = keras.Input((6, 8))
+    h = keras.layers.LayerNormalization(dtype=policy)(inp)
+    scores = keras.layers.Dense(6, dtype=policy)(h)
+    attn = keras.layers.Softmax(dtype=policy)(scores, mask=np.tril(np.ones((6, 6), bool)))
+    h = keras.layers.Dense(8, dtype=policy)(attn)
+    mlp = keras.Sequential([keras.layers.Dense(16, activation="gelu", dtype=policy),
+                            keras.layers.Dense(8, activation="softplus", dtype=policy)])
+    h = keras.layers.Add(dtype=policy)([h, mlp(h)])
+    h = keras.layers.RMSNormalization(dtype=policy)(h)
+    out = keras.layers.Dense(3, dtype="float32")(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inp, out)
+
+
+def _x(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(4, 6, 8)).astype("float32")
+
+
+def _all_layers(model: keras.Model):
+    for layer in model.layers:
+        yield layer
+        if isinstance(layer, keras.Model):
+            yield from _all_layers(layer)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_fuse_swaps_supported_layers_and_preserves_outputs(policy):
+    model = _block(policy)
+    fused = fuse(model)
+    kinds = {type(l) for l in _all_layers(fused)}
+    assert {klayers.Dense, klayers.LayerNormalization, klayers.RMSNormalization,
+            klayers.Softmax} <= kinds
+    assert keras.layers.Dense not in kinds
+    # The original is untouched and shares no variables with the copy.
+    assert all(type(l).__module__.startswith("keras.") for l in _all_layers(model))
+    assert not {id(v) for v in model.weights} & {id(v) for v in fused.weights}
+    for layer in _all_layers(fused):
+        if layer.weights and not isinstance(layer, keras.Model):
+            assert all(w.dtype == "float32" for w in layer.weights)
+    np.testing.assert_allclose(fused(_x()), model(_x()), rtol=TOL[policy], atol=TOL[policy])
+
+
+def test_fused_model_trains_like_the_original():
+    model = _block("float32")
+    fused = fuse(model)
+    y = np.random.default_rng(1).integers(0, 3, size=(4,))
+    for m in (model, fused):
+        m.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m.train_on_batch(_x(), y)
+    for a, b in zip(model.weights, fused.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), atol=1e-5, err_msg=a.path)
+    assert not np.allclose(model(_x()), fuse(_block("float32"))(_x()))  # it did train
+
+
+def test_fused_model_survives_keras_save_and_load(tmp_path):
+    fused = fuse(_block("mixed_bfloat16"))
+    path = str(tmp_path / "fused.keras")
+    fused.save(path)
+    loaded = keras.models.load_model(path)
+    assert {type(l) for l in _all_layers(loaded)} == {type(l) for l in _all_layers(fused)}
+    assert loaded.layers[1].dtype_policy.name == "mixed_bfloat16"
+    np.testing.assert_array_equal(np.asarray(loaded(_x())), np.asarray(fused(_x())))
+
+
+def test_fuse_sequential_model():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7, activation="relu"),
+                              keras.layers.Dense(2), keras.layers.Softmax()])
+    fused = fuse(model)
+    assert [type(l) for l in fused.layers] == [klayers.Dense, klayers.Dense, klayers.Softmax]
+    x = np.random.default_rng(0).normal(size=(3, 5)).astype("float32")
+    np.testing.assert_allclose(fused(x), model(x), atol=1e-6)
+
+
+def test_fuse_leaves_subclasses_of_supported_layers_alone():
+    class MyDense(keras.layers.Dense):
+        pass
+
+    model = keras.Sequential([keras.Input((5,)), MyDense(3)])
+    assert type(fuse(model).layers[0]) is MyDense
+
+
+def test_fuse_rejects_subclassed_and_unbuilt_models():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.d(x)
+
+    net = Net()
+    net(tf.ones([1, 3]))
+    with pytest.raises(TypeError, match="`model` must be a Keras functional or Sequential"):
+        fuse(net)
+    with pytest.raises(ValueError, match="`model` must be built"):
+        fuse(keras.Sequential([keras.layers.Dense(2)]))
