@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import keras
 import tensorflow as tf
 
 from keras_mp import xla
@@ -68,6 +69,14 @@ class GradientStatistics(NamedTuple):
 STATISTICS: tuple[str, ...] = GradientStatistics._fields
 
 
+def _scale_tensor(scale) -> tf.Tensor:
+    # A variable passed to a tf.function is captured by reference; pass its
+    # value so that traces never outlive the optimizer that owns it.
+    if isinstance(scale, keras.Variable):
+        scale = scale.value
+    return tf.cast(tf.convert_to_tensor(scale), tf.float32)
+
+
 def _dense(grads):
     """Splits a gradient list into the dense tensors the kernel takes and a
     way to put the results back (None and IndexedSlices stay outside XLA:
@@ -77,7 +86,7 @@ def _dense(grads):
     return dense_idx, [tf.convert_to_tensor(grads[i]) for i in dense_idx]
 
 
-def _tensor_stats(g32, u32):
+def _tensor_stats(g32, u32, scale):
     a = tf.abs(g32)
     ua = tf.abs(u32)
     finite = tf.math.is_finite(g32)
@@ -94,7 +103,10 @@ def _tensor_stats(g32, u32):
         frac(nonzero & (a < _FP16_TINY)),
         frac((a >= _FP16_TINY) & (a < _FP16_MIN_NORMAL)),
         frac(finite & (a > _FP16_MAX)),
-        frac((ua > 0.0) & (ua < _BF16_MIN_NORMAL)),
+        # Compared before unscaling: |g / scale| below 2**-126 is a float32
+        # subnormal, which XLA:CPU (and TF's CPU kernels) flush to zero, so
+        # testing the quotient would never count anything.
+        frac(nonzero & (a < _BF16_MIN_NORMAL * scale)),
         frac(tf.equal(a, 0.0)),
     )
 
@@ -108,7 +120,7 @@ def _fused(grads, scale, *, unscale: bool, stats: bool):
         if unscale:
             outs.append(tf.cast(u32, g.dtype))
         if stats:
-            rows.append(_tensor_stats(g32, u32))
+            rows.append(_tensor_stats(g32, u32, scale))
         else:
             nonfinite.append(tf.reduce_any(tf.logical_not(tf.math.is_finite(g32))))
     if stats:
@@ -181,6 +193,7 @@ def unscale_and_check(grads: Sequence, scale, *, return_mask: bool = False):
         ([1.0, 2.0], None, True)
     """
     grads = list(grads)
+    scale = _scale_tensor(scale)
     dense_idx, dense = _dense(grads)
     dense_out, dense_nonfinite = _unscale_check_kernel(dense, scale) if dense else ([], None)
     mask = [tf.constant(False)] * len(grads)
@@ -224,6 +237,7 @@ def gradient_statistics(grads: Sequence, scale) -> GradientStatistics:
         (0.25, 0.25, 0.25)
     """
     grads = list(grads)
+    scale = _scale_tensor(scale)
     dense_idx, dense = _dense(grads)
     if not dense:
         return GradientStatistics(*[tf.zeros([len(grads)])] * len(STATISTICS))
@@ -239,6 +253,7 @@ def unscale_with_statistics(grads: Sequence, scale):
         ``statistics.nonfinite`` as a fraction of 1.
     """
     grads = list(grads)
+    scale = _scale_tensor(scale)
     dense_idx, dense = _dense(grads)
     if dense:
         dense_out, columns = _unscale_stats_kernel(dense, scale)

@@ -1,0 +1,325 @@
+"""``LossScaleOptimizer``: Keras's loss-scale optimizer with schedules,
+bounds, hysteresis, skip counting, and a finite check agreed across replicas.
+
+One step, as run inside Keras's compiled train step:
+
+1. one multi-tensor kernel unscales every gradient and flags the non-finite
+   ones (:func:`keras_mp.kernels.unscale_and_check`);
+2. under ``tf.distribute`` the per-variable flags are all-reduced, so every
+   replica (and worker) takes the same decision, even when only one replica
+   saw a NaN (Keras decides per replica, before the all-reduce);
+3. the inner optimizer applies the *unscaled* gradients only if all are
+   finite, so its ``clipnorm``/``clipvalue`` act on true gradient values and
+   a skipped step changes no weight, slot or iteration count;
+4. the schedule maps ``(state, finite)`` to the next state, in-graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras import initializers, ops
+from keras.saving import deserialize_keras_object, serialize_keras_object
+from keras.src.utils import tracking  # Keras's own LSO.build uses it too
+
+from keras_mp import kernels
+from keras_mp import loss_scale as loss_scale_lib
+
+__all__ = ["LossScaleOptimizer"]
+
+_DEFAULT_INITIAL_SCALE = 2.0**15
+_DEFAULT_GROWTH_STEPS = 2000
+_KerasLSO = keras.optimizers.LossScaleOptimizer
+
+
+def _in_xla_context() -> bool:
+    from tensorflow.python.ops import control_flow_util  # no public equivalent
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def _legacy_schedule(initial_scale, dynamic_growth_steps) -> loss_scale_lib.DynamicLossScale:
+    if isinstance(initial_scale, bool) or not isinstance(initial_scale, (int, float)) \
+            or not math.isfinite(initial_scale) or initial_scale <= 0:
+        raise ValueError(f"`initial_scale` must be a finite number > 0, got {initial_scale!r}.")
+    if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, int) \
+            or dynamic_growth_steps < 1:
+        raise ValueError("`dynamic_growth_steps` must be an int >= 1, got "
+                         f"{dynamic_growth_steps!r}.")
+    initial_scale = float(initial_scale)
+    # Keras has no bounds; ours must contain the scale the user asked for.
+    return loss_scale_lib.DynamicLossScale(
+        initial_scale=initial_scale,
+        growth_interval=dynamic_growth_steps,
+        min_scale=min(1.0, initial_scale),
+        max_scale=max(2.0**24, initial_scale),
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class LossScaleOptimizer(_KerasLSO):
+    """Loss scaling with configurable schedules; a drop-in for
+    ``keras.optimizers.LossScaleOptimizer`` (and an instance of it, so Keras's
+    ``compile`` does not wrap it again).
+
+    Args:
+        inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap (not
+            itself a ``LossScaleOptimizer``).
+        initial_scale: as in Keras: the first loss scale of the default
+            dynamic schedule. Not with ``schedule``.
+        dynamic_growth_steps: as in Keras: finite steps between growths of
+            the default dynamic schedule. Not with ``schedule``.
+        schedule: a :class:`keras_mp.loss_scale.LossScaleSchedule` (for
+            example :class:`keras_mp.DynamicLossScale` or
+            :class:`keras_mp.FixedLossScale`), ``"dynamic"`` or a number (a
+            fixed scale). Replaces the two arguments above.
+        max_consecutive_skips: if set (an int >= 1), a step that makes the
+            number of consecutive skipped steps exceed it raises
+            ``tf.errors.InvalidArgumentError`` naming the variables whose
+            gradients were non-finite, instead of skipping forever. Needs a
+            train step that is not XLA-compiled (``jit_compile=False``).
+        name: the optimizer's name.
+        **kwargs: Keras's ``dynamic=True`` is accepted; base-optimizer
+            arguments (``clipnorm``, ...) belong on ``inner_optimizer``.
+
+    State, all optimizer variables (saved by ``model.save`` and checkpoints):
+    the schedule's (``loss_scale``, and for :class:`~keras_mp.DynamicLossScale`
+    ``good_steps`` and ``hysteresis_left``), ``skipped_steps`` and
+    ``consecutive_skips``.
+
+    Example, with ``fit``:
+        >>> import keras, keras_mp
+        >>> opt = keras_mp.LossScaleOptimizer(
+        ...     keras.optimizers.Adam(1e-3),
+        ...     schedule=keras_mp.DynamicLossScale(growth_interval=500, hysteresis=2))
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer=opt, loss="mse")
+
+    Example, in a custom training loop:
+        >>> import tensorflow as tf
+        >>> opt = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        >>> x, y = tf.ones([8, 4]), tf.zeros([8, 1])
+        >>> with tf.GradientTape() as tape:
+        ...     loss = keras.losses.mean_squared_error(y, model(x))
+        ...     scaled = opt.scale_loss(tf.reduce_mean(loss))
+        >>> grads = tape.gradient(scaled, model.trainable_variables)
+        >>> opt.apply(grads, model.trainable_variables)   # unscales, checks, skips if needed
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        initial_scale: float = _DEFAULT_INITIAL_SCALE,
+        dynamic_growth_steps: int = _DEFAULT_GROWTH_STEPS,
+        *,
+        schedule: Any = None,
+        max_consecutive_skips: int | None = None,
+        name: str | None = None,
+        **kwargs,
+    ):
+        if isinstance(inner_optimizer, _KerasLSO):
+            raise ValueError(
+                "`inner_optimizer` is already a LossScaleOptimizer; wrapping twice "
+                "would scale the loss twice. Pass the optimizer it wraps "
+                f"(`{type(inner_optimizer).__name__}.inner_optimizer`) instead.")
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "`inner_optimizer` must be a keras.optimizers.Optimizer instance, "
+                f"got {inner_optimizer!r} of type {type(inner_optimizer).__name__}.")
+        if schedule is not None:
+            if initial_scale != _DEFAULT_INITIAL_SCALE or \
+                    dynamic_growth_steps != _DEFAULT_GROWTH_STEPS:
+                raise ValueError(
+                    "Pass either `schedule` or `initial_scale`/`dynamic_growth_steps`, "
+                    "not both: the schedule sets the initial scale and growth.")
+            schedule_given = True
+            schedule = loss_scale_lib.get(schedule)
+        else:
+            schedule_given = False
+            schedule = _legacy_schedule(initial_scale, dynamic_growth_steps)
+        if max_consecutive_skips is not None and (
+                isinstance(max_consecutive_skips, bool)
+                or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1):
+            raise ValueError("`max_consecutive_skips` must be None or an int >= 1, got "
+                             f"{max_consecutive_skips!r}.")
+        super().__init__(inner_optimizer, initial_scale=initial_scale,
+                         dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)
+        self._schedule_given = schedule_given
+        self.schedule = schedule
+        self.max_consecutive_skips = max_consecutive_skips
+        self.initial_scale = float(schedule.scale(schedule.initial_state()))
+        self._state_variables: dict[str, keras.Variable] = {}
+
+    # -- state ------------------------------------------------------------
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        # Not Keras's LSO.build: our state comes from the schedule.
+        self._state_variables = {}
+        for key, (dtype, value) in self.schedule.state_spec().items():
+            self._state_variables[key] = self.add_variable(
+                shape=(), dtype=dtype, initializer=initializers.Constant(value),
+                aggregation="only_first_replica", name=key)
+        self.skipped_steps = self.add_variable(
+            shape=(), dtype="int64", initializer="zeros",
+            aggregation="only_first_replica", name="skipped_steps")
+        self.consecutive_skips = self.add_variable(
+            shape=(), dtype="int64", initializer="zeros",
+            aggregation="only_first_replica", name="consecutive_skips")
+        self.inner_optimizer.build(var_list)
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    @property
+    def loss_scale_state(self) -> dict[str, keras.Variable]:
+        """The schedule's state variables, by name (empty before ``build``)."""
+        return dict(self._state_variables)
+
+    @property
+    def loss_scale(self):
+        """The current loss scale (a float32 scalar tensor)."""
+        if not self.built:
+            return ops.convert_to_tensor(self.initial_scale, "float32")
+        return tf.convert_to_tensor(
+            self.schedule.scale({k: v.value for k, v in self._state_variables.items()}))
+
+    @property
+    def dynamic_scale(self):
+        """Keras's name for the loss-scale variable."""
+        return self._state_variables.get("loss_scale")
+
+    @property
+    def step_counter(self):
+        """Keras's name for the finite-steps-since-growth counter."""
+        return self._state_variables.get("good_steps")
+
+    # -- loss and gradient scaling ----------------------------------------
+
+    def scale_loss(self, loss):
+        """Multiplies ``loss`` by the current loss scale (cast to its dtype)."""
+        loss = ops.convert_to_tensor(loss)
+        return ops.multiply(loss, ops.cast(self.loss_scale, loss.dtype))
+
+    def get_scaled_loss(self, loss):
+        """Alias of :meth:`scale_loss`, for code migrating from ``tf.keras``."""
+        return self.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads):
+        """Divides ``grads`` by the current loss scale (None stays None), for
+        code migrating from ``tf.keras``. :meth:`apply` unscales by itself; call
+        this only to inspect or clip gradients yourself."""
+        return kernels.unscale_and_check(list(grads), self.loss_scale)[0]
+
+    # -- the step ---------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        tvars = trainable_variables if trainable_variables is not None \
+            else self._trainable_variables
+        grads = list(grads)
+        if len(grads) != len(tvars):
+            raise ValueError(f"Got {len(grads)} gradients for {len(tvars)} variables.")
+
+        unscaled, nonfinite = kernels.unscale_and_check(
+            grads, self.loss_scale, return_mask=True)
+        # Variables that take the gradient as their new value (float8 scales)
+        # are never loss-scaled.
+        unscaled = [g if g is not None and self._overwrite_variable_with_gradient(v) else u
+                    for g, u, v in zip(grads, unscaled, tvars)]
+        nonfinite = ops.cast(nonfinite, "int32")
+        ctx = tf.distribute.get_replica_context()
+        if tf.distribute.has_strategy() and ctx.num_replicas_in_sync > 1:
+            # Agree before deciding: a NaN on one replica skips the step everywhere.
+            nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
+        finite = ops.equal(ops.sum(nonfinite), 0)
+        step = ops.convert_to_tensor(self.iterations.value)
+
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            ops.cond(finite, lambda: self._apply_inner(unscaled, trainable_variables),
+                     lambda: None)
+            self._update_state(finite, nonfinite, step, tvars)
+        else:
+            ctx.merge_call(self._merged_apply,
+                           args=(unscaled, trainable_variables, finite, nonfinite, step, tvars))
+
+    def _apply_inner(self, grads, trainable_variables):
+        self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
+
+    def _merged_apply(self, distribution, grads, trainable_variables, finite, nonfinite,
+                      step, tvars):
+        # All replicas hold the same (all-reduced) flags; take the first.
+        first = lambda x: distribution.experimental_local_results(x)[0]  # noqa: E731
+        finite, nonfinite, step = first(finite), first(nonfinite), first(step)
+
+        def apply_fn():
+            distribution.extended.call_for_each_replica(
+                self._apply_inner, args=(grads, trainable_variables))
+
+        # The cond must run in cross-replica context: the inner optimizer's
+        # apply calls merge_call, which a replica-context cond cannot contain.
+        ops.cond(finite, apply_fn, lambda: None)
+        self._update_state(finite, nonfinite, step, tvars)
+
+    def _update_state(self, finite, nonfinite, step, tvars):
+        state = {k: v.value for k, v in self._state_variables.items()}
+        new_state = self.schedule.update(state, finite, step)
+        if set(new_state) != set(state):
+            raise ValueError(
+                f"{type(self.schedule).__name__}.update returned state keys "
+                f"{sorted(new_state)}, expected {sorted(state)}.")
+        for key, value in new_state.items():
+            var = self._state_variables[key]
+            var.assign(ops.cast(value, var.dtype))
+        skipped = ops.cast(ops.logical_not(finite), "int64")
+        self.skipped_steps.assign_add(skipped)
+        consecutive = ops.where(finite, 0, self.consecutive_skips.value + 1)
+        self.consecutive_skips.assign(consecutive)
+        if self.max_consecutive_skips is not None:
+            self._check_skips(consecutive, nonfinite, tvars)
+
+    def _check_skips(self, consecutive, nonfinite, tvars):
+        if _in_xla_context():
+            raise ValueError(
+                "`max_consecutive_skips` needs a train step that is not XLA-compiled "
+                "(XLA drops assertions): compile the model with jit_compile=False, "
+                "or set max_consecutive_skips=None.")
+        names = tf.constant([getattr(v, "path", v.name) for v in tvars])
+        bad = tf.strings.reduce_join(tf.boolean_mask(names, nonfinite > 0), separator=", ")
+        tf.debugging.Assert(
+            consecutive <= self.max_consecutive_skips,
+            [tf.strings.format(
+                "keras_mp.LossScaleOptimizer: {} consecutive steps had non-finite "
+                "gradients (max_consecutive_skips=" + str(self.max_consecutive_skips)
+                + "); loss scale is now {}. Non-finite gradients in: {}",
+                (consecutive, self.loss_scale, bad))],
+            summarize=1)
+
+    # -- serialization ----------------------------------------------------
+
+    def get_config(self):
+        config = super().get_config()
+        if self._schedule_given:
+            config["initial_scale"] = _DEFAULT_INITIAL_SCALE
+            config["dynamic_growth_steps"] = _DEFAULT_GROWTH_STEPS
+            config["schedule"] = serialize_keras_object(self.schedule)
+        else:
+            config["schedule"] = None
+        config["max_consecutive_skips"] = self.max_consecutive_skips
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = deserialize_keras_object(config.pop("inner_optimizer"),
+                                         custom_objects=custom_objects)
+        schedule = config.pop("schedule", None)
+        if isinstance(schedule, dict):
+            schedule = deserialize_keras_object(schedule, custom_objects=custom_objects)
+        return cls(inner, schedule=schedule, **config)

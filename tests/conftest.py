@@ -1,0 +1,49 @@
+"""Shared test set-up.
+
+TensorFlow fixes its devices at first use, so the two logical CPU devices
+that the tf.distribute tests need are configured here, at import time, before
+any test touches TensorFlow.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(
+    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+
+import keras_mp  # noqa: E402,F401
+
+
+@pytest.fixture(autouse=True)
+def _clean_keras_state():
+    """Every test starts with the float32 policy, fresh names and seeds."""
+    keras.mixed_precision.set_global_policy("float32")
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture
+def two_replica_strategy():
+    """A MirroredStrategy over the two logical CPU devices."""
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    assert len(devices) == 2, devices
+    return tf.distribute.MirroredStrategy(devices)
+
+
+def tiny_regression_data(n: int = 64, features: int = 4, seed: int = 0):
+    """A small, deterministic regression problem."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    w = rng.normal(size=(features, 1)).astype("float32")
+    return x, x @ w
