@@ -1,8 +1,14 @@
-"""keras-mp: mixed-precision training for Keras 3 on TensorFlow."""
+"""keras-mp: mixed-precision training for Keras 3 on TensorFlow.
+
+The public API, re-exported explicitly; each name lives in the module named
+for its concept.
+"""
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
-from keras_mp import kernels, loss_scale, xla
-from keras_mp.loss_scale import DynamicLossScale, FixedLossScale, LossScaleSchedule
+from keras_mp import distribute, kernels, layers, loss_scale, ops, xla
+from keras_mp.fuse import fuse
+from keras_mp.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
+                                 PiecewiseInterval)
 from keras_mp.optimizer import LossScaleOptimizer
 from keras_mp.xla import set_xla, uses_xla
 
@@ -13,8 +19,13 @@ __all__ = [
     "FixedLossScale",
     "LossScaleOptimizer",
     "LossScaleSchedule",
+    "PiecewiseInterval",
+    "distribute",
+    "fuse",
     "kernels",
+    "layers",
     "loss_scale",
+    "ops",
     "set_xla",
     "uses_xla",
     "xla",

@@ -152,6 +152,9 @@ class LossScaleOptimizer(_KerasLSO):
         self.max_consecutive_skips = max_consecutive_skips
         self.initial_scale = float(schedule.scale(schedule.initial_state()))
         self._state_variables: dict[str, keras.Variable] = {}
+        # Called in replica context with (GradientStatistics, scale, variables)
+        # every step when set; the adaptive precision policy hooks in here.
+        self.statistics_sink = None
 
     # -- state ------------------------------------------------------------
 
@@ -227,8 +230,14 @@ class LossScaleOptimizer(_KerasLSO):
         if len(grads) != len(tvars):
             raise ValueError(f"Got {len(grads)} gradients for {len(tvars)} variables.")
 
-        unscaled, nonfinite = kernels.unscale_and_check(
-            grads, self.loss_scale, return_mask=True)
+        scale = self.loss_scale
+        if self.statistics_sink is None:
+            unscaled, nonfinite = kernels.unscale_and_check(grads, scale, return_mask=True)
+        else:
+            # One pass yields both the finite flags and what the sink needs.
+            unscaled, stats = kernels.unscale_with_statistics(grads, scale)
+            nonfinite = stats.nonfinite > 0
+            self.statistics_sink(stats, scale, tvars)
         # Variables that take the gradient as their new value (float8 scales)
         # are never loss-scaled.
         unscaled = [g if g is not None and self._overwrite_variable_with_gradient(v) else u
