@@ -1,0 +1,311 @@
+"""``AdaptivePolicy``: a per-layer dtype policy whose entries change during
+training, and the global-policy functions that accept it.
+
+An :class:`AdaptivePolicy` is a Keras ``DTypePolicyMap``. Set as the global
+policy, every layer built afterwards holds it and looks its own path up in it
+whenever it needs its compute dtype, so changing an entry (and retracing the
+train step) changes that layer's precision. Variables always stay float32
+(master weights): each entry is ``float32``, ``mixed_bfloat16`` or
+``mixed_float16``.
+
+Besides the entries, the policy carries what the adaptive controller knows per
+layer (its state, its last statistics and its switch history), so that the
+``dtype`` that Keras writes into each layer's config in a ``.keras`` file
+restores all of it.
+
+Example:
+    >>> import keras, keras_mp
+    >>> keras_mp.set_global_policy("adaptive_bfloat16")
+    >>> layer = keras.layers.Dense(2)
+    >>> layer.compute_dtype, layer.variable_dtype
+    ('bfloat16', 'float32')
+    >>> keras_mp.global_policy().assign(layer.path, "float32")
+    >>> layer.compute_dtype
+    'float32'
+    >>> keras_mp.set_global_policy("float32")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import keras
+from keras.dtype_policies import DTypePolicy, DTypePolicyMap
+
+from keras_mp import controller, device
+
+__all__ = ["AdaptivePolicy", "ADAPTIVE_NAMES", "set_global_policy", "global_policy",
+           "policy_scope", "get", "policy_of", "adaptive_layers"]
+
+#: Adaptive policy names and their candidates (None: the device's fast set).
+ADAPTIVE_NAMES: dict[str, tuple[str, ...] | None] = {
+    "adaptive": None,
+    "adaptive_bfloat16": ("bfloat16", "float32"),
+    "adaptive_float16": ("float16", "float32"),
+}
+_KERAS_FOR = {"float32": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
+
+
+def _strip_root(path: str) -> str:
+    return path.split("/", 1)[1] if "/" in path else path
+
+
+def _same_layer(path: str, key: str) -> bool:
+    return key == path or _strip_root(key) == path or _strip_root(path) == key
+
+
+def _keras_policy(dtype: str) -> DTypePolicy:
+    return DTypePolicy(_KERAS_FOR[dtype])
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class AdaptivePolicy(DTypePolicyMap):
+    """A ``DTypePolicyMap`` whose per-layer compute dtypes are chosen during
+    training among ``candidates``; variables stay float32.
+
+    Args:
+        candidates: the allowed compute dtypes, from ``"float16"``,
+            ``"bfloat16"``, ``"float32"``; layers start in the narrowest.
+            None: the device's fast set (:func:`keras_mp.device.default_candidates`):
+            never float16 on a CPU without float16 units.
+        rule: the :class:`keras_mp.controller.DecisionRule` (or its config
+            dict) used by :class:`keras_mp.callbacks.AdaptivePrecision`.
+        name: the policy's name; ``"adaptive"`` unless given.
+        assignments: layer path -> dtype, for layers not in the narrowest
+            candidate (restored from a config).
+        records: layer path -> what the controller recorded (``"state"``,
+            ``"stats"``, ``"history"``), restored from a config.
+
+    Example:
+        >>> from keras_mp import AdaptivePolicy
+        >>> p = AdaptivePolicy(candidates=("float16", "float32"))
+        >>> p.candidates, p.compute_dtype, p.variable_dtype
+        (('float16', 'float32'), 'float16', 'float32')
+        >>> p.assign("dense", "float32")
+        >>> p["dense"].name, p.dtype_of("other")
+        ('float32', 'float16')
+        >>> AdaptivePolicy.from_config(p.get_config()).dtype_of("dense")
+        'float32'
+    """
+
+    def __init__(self, candidates: Sequence[str] | None = None, *,
+                 rule: controller.DecisionRule | dict | None = None,
+                 name: str | None = None,
+                 assignments: dict[str, str] | None = None,
+                 records: dict[str, dict[str, Any]] | None = None):
+        if candidates is None:
+            candidates = device.default_candidates()
+        self._candidates = controller.sort_candidates(candidates)
+        if isinstance(rule, dict):
+            rule = controller.DecisionRule.from_config(rule)
+        if rule is not None and not isinstance(rule, controller.DecisionRule):
+            raise TypeError("`rule` must be a keras_mp.controller.DecisionRule, its config "
+                            f"dict or None, got {rule!r}.")
+        self.rule = rule or controller.DecisionRule()
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"`name` must be a string or None, got {name!r}.")
+        self._adaptive_name = name or "adaptive"
+        super().__init__(default_policy=_keras_policy(self._candidates[0]))
+        for path, dtype in (assignments or {}).items():
+            self.assign(path, dtype)
+        self.records: dict[str, dict[str, Any]] = copy.deepcopy(records or {})
+
+    # -- the policy ------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        # Not "mixed_float16": Keras's compile must not wrap the optimizer in
+        # its own LossScaleOptimizer; keras_mp's callback wraps it instead.
+        return self._adaptive_name
+
+    @property
+    def candidates(self) -> tuple[str, ...]:
+        """The allowed compute dtypes, narrowest first."""
+        return self._candidates
+
+    @property
+    def uses_float16(self) -> bool:
+        """Whether a layer may compute in float16, so loss scaling is needed."""
+        return "float16" in self._candidates
+
+    def _key_for(self, path: str) -> str | None:
+        """The stored key that means the layer at ``path``, if any.
+
+        A layer's path includes its model's name when the layer was built
+        inside the model ("sequential/dense") but not when Keras rebuilt it
+        from a config ("dense"), so a ``.keras`` file written under one and
+        read under the other must still find its entry.
+        """
+        if path in self._policy_map:
+            return path
+        hits = [k for k in self._policy_map if _same_layer(path, k)]
+        return hits[0] if len(hits) == 1 else None
+
+    def __getitem__(self, key):
+        found = self._key_for(key)
+        if found is not None:
+            return self._policy_map[found]
+        return super().__getitem__(key)
+
+    def record(self, path: str) -> dict[str, Any]:
+        """What the controller recorded for the layer at ``path`` (a live dict,
+        created empty)."""
+        if path not in self.records:
+            old = next((k for k in self.records if _same_layer(path, k)), None)
+            self.records[path] = self.records.pop(old) if old is not None else {}
+        return self.records[path]
+
+    def dtype_of(self, path: str) -> str:
+        """The compute dtype of the layer at ``path``."""
+        return self[path].compute_dtype
+
+    def assign(self, path: str, dtype: str) -> None:
+        """Sets the compute dtype of the layer at ``path`` (its next trace).
+
+        Args:
+            path: a layer's ``path``.
+            dtype: one of :attr:`candidates`.
+        """
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"`path` must be a non-empty layer path, got {path!r}.")
+        if dtype not in self._candidates:
+            raise ValueError(f"`dtype` must be one of the candidates {self._candidates}, "
+                             f"got {dtype!r}.")
+        old = self._key_for(path)
+        if old is not None:
+            del self[old]
+        if dtype != self._candidates[0]:
+            self[path] = _keras_policy(dtype)
+
+    def assignments(self) -> dict[str, str]:
+        """Layer path -> compute dtype, for layers not in the narrowest candidate."""
+        return {path: policy.compute_dtype for path, policy in self._policy_map.items()}
+
+    # -- serialization ---------------------------------------------------
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            # Resolved, not None: a model resumed on another device must
+            # continue with the precisions it had.
+            "candidates": list(self._candidates),
+            "rule": self.rule.get_config(),
+            "name": self._adaptive_name,
+            "assignments": self.assignments(),
+            "records": copy.deepcopy(self.records),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects=None) -> AdaptivePolicy:
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        return (f"<AdaptivePolicy {self._adaptive_name!r} candidates={self._candidates} "
+                f"assignments={self.assignments()}>")
+
+
+def get(policy: Any) -> DTypePolicy:
+    """Turns a name, config or policy into a policy object.
+
+    Args:
+        policy: an :class:`AdaptivePolicy` or other ``DTypePolicy``, one of
+            :data:`ADAPTIVE_NAMES`, or any name Keras accepts (``"float32"``,
+            ``"mixed_bfloat16"``, ``"mixed_float16"``, ...).
+
+    Example:
+        >>> get("adaptive_float16").candidates
+        ('float16', 'float32')
+        >>> get("mixed_bfloat16").name
+        'mixed_bfloat16'
+    """
+    if isinstance(policy, DTypePolicy):
+        return policy
+    if isinstance(policy, str) and policy in ADAPTIVE_NAMES:
+        return AdaptivePolicy(ADAPTIVE_NAMES[policy], name=policy)
+    try:
+        return keras.dtype_policies.get(policy)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"`policy` must be one of {sorted(ADAPTIVE_NAMES)}, a Keras dtype policy name "
+            "(e.g. 'float32', 'mixed_bfloat16', 'mixed_float16') or a DTypePolicy, got "
+            f"{policy!r}.") from e
+
+
+def set_global_policy(policy: Any) -> None:
+    """Sets the policy of layers built from now on (like Keras's
+    ``keras.config.set_dtype_policy``, plus the adaptive names).
+
+    Args:
+        policy: as for :func:`get`.
+
+    Example:
+        >>> import keras_mp
+        >>> keras_mp.set_global_policy("adaptive_float16")
+        >>> keras_mp.global_policy().name
+        'adaptive_float16'
+        >>> keras_mp.set_global_policy("float32")
+    """
+    keras.config.set_dtype_policy(get(policy))
+
+
+def global_policy() -> DTypePolicy:
+    """The current global policy (an :class:`AdaptivePolicy` when one is set)."""
+    return keras.config.dtype_policy()
+
+
+@contextlib.contextmanager
+def policy_scope(policy: Any) -> Iterator[DTypePolicy]:
+    """Sets the global policy inside a ``with`` block, restoring it after.
+
+    Example:
+        >>> import keras, keras_mp
+        >>> with keras_mp.policy_scope("adaptive_float16") as p:
+        ...     layer = keras.layers.Dense(2)
+        >>> layer.compute_dtype, keras_mp.global_policy().name
+        ('float16', 'float32')
+    """
+    previous = global_policy()
+    policy = get(policy)
+    keras.config.set_dtype_policy(policy)
+    try:
+        yield policy
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def policy_of(model: keras.Model) -> AdaptivePolicy | None:
+    """The :class:`AdaptivePolicy` that ``model``'s layers use, or None.
+
+    A model loaded from a ``.keras`` file gives each layer its own copy of
+    the policy (Keras deserializes each layer's ``dtype`` separately); this
+    makes them share one, so that a change reaches every layer.
+    """
+    found: list[keras.layers.Layer] = [
+        layer for layer in model._flatten_layers(include_self=True)
+        if isinstance(getattr(layer, "_dtype_policy", None), AdaptivePolicy)]
+    if not found:
+        return None
+    current = global_policy()
+    policies = [layer._dtype_policy for layer in found]
+    chosen = current if any(p is current for p in policies) else policies[0]
+    for layer in found:
+        if layer._dtype_policy is not chosen:
+            # Not the `dtype_policy` setter: it would insert into the map.
+            layer._dtype_policy = chosen
+    return chosen
+
+
+def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.layers.Layer]:
+    """The layers whose precision ``policy`` controls and that own trainable
+    variables (so have gradient statistics), in ``model``'s layer order."""
+    seen: set[int] = set()
+    out = []
+    for layer in model._flatten_layers(include_self=False):
+        if id(layer) in seen or layer._dtype_policy is not policy:
+            continue
+        seen.add(id(layer))
+        if any(v.trainable for v in layer._trainable_variables):
+            out.append(layer)
+    return out
