@@ -6,6 +6,7 @@ for its concept.
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
 from keras_mp import distribute, kernels, layers, loss_scale, ops, xla
+from keras_mp.distribute import patch_multi_worker
 from keras_mp.fuse import fuse
 from keras_mp.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
                                  PiecewiseInterval)
@@ -14,6 +15,11 @@ from keras_mp.xla import set_xla, uses_xla
 
 __version__ = "0.1.0"
 
+# Keras 3.5-3.15's model.fit fails under a multi-worker
+# MultiWorkerMirroredStrategy (see keras_mp.distribute). The fix acts only in
+# multi-worker mode and only where the installed Keras has the fault.
+patch_multi_worker()
+
 __all__ = [
     "DynamicLossScale",
     "FixedLossScale",
@@ -21,6 +27,7 @@ __all__ = [
     "LossScaleSchedule",
     "PiecewiseInterval",
     "distribute",
+    "patch_multi_worker",
     "fuse",
     "kernels",
     "layers",
