@@ -48,6 +48,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
 
 from keras_mp import controller, loss_scale, policies
 from keras_mp.optimizer import LossScaleOptimizer
@@ -58,7 +59,17 @@ __all__ = ["AdaptivePrecision"]
 _STATE_FIELDS = ("dtype", "healthy", "cooldown", "switches", "strikes")
 _STATS_ATTR = "_keras_mp_statistics"
 _STATE_ATTR = "_keras_mp_precision_state"
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+).SerializeToString()
 _BITS = {"float16": 16, "bfloat16": 16, "float32": 32}
+
+
+def _scalar(tag: str, value: float) -> None:
+    # tf.summary.scalar lives in the tensorboard package, which training
+    # machines often lack; tf.summary.write with the scalars plugin's
+    # metadata writes the same event without it.
+    tf.summary.write(tag, tf.constant(float(value), tf.float32), metadata=_SCALAR_METADATA)
 
 
 class _PrecisionState(keras.layers.Layer):
@@ -322,9 +333,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         with self._writer.as_default(step=self._calls):
-            tf.summary.scalar("precision/switches", len(made))
-            tf.summary.scalar("precision/loss_scale", interval.mean_scale)
+            _scalar("precision/switches", len(made))
+            _scalar("precision/loss_scale", interval.mean_scale)
             for path, stats in zip(self._paths, interval.layers):
-                tf.summary.scalar(f"precision/{path}/bits", _BITS[self._policy.dtype_of(path)])
+                _scalar(f"precision/{path}/bits", _BITS[self._policy.dtype_of(path)])
                 for key in ("nonfinite", "fp16_subnormal", "fp16_overflow", "bf16_subnormal"):
-                    tf.summary.scalar(f"precision/{path}/{key}", getattr(stats, key))
+                    _scalar(f"precision/{path}/{key}", getattr(stats, key))

@@ -1,0 +1,300 @@
+"""keras_mp.callbacks.AdaptivePrecision: optimizer wrapping, decisions during
+fit, train-function rebuilds, logging, persistence, custom loops, and the
+demonstrations of issue 4 (float16 failure recovered; bfloat16 limitation)."""
+
+import glob
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_mp
+from keras_mp import callbacks, loss_scale, policies
+from keras_mp.callbacks import AdaptivePrecision
+from keras_mp.report import precision_report
+
+
+def _raw_features(n: int, seed: int):
+    """A linearly separable problem whose features are unnormalized: scale
+    3e4, so a few exceed float16's 65504 and every first projection does."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(n, 32)).astype("float32")
+    w = np.random.default_rng(99).normal(size=(32,)).astype("float32")
+    return (3e4 * z).astype("float32"), (z @ w > 0).astype("float32")[:, None]
+
+
+def _raw_feature_model():
+    # LayerNormalization after the first projection makes the model
+    # scale-invariant in float32; in float16 that projection is inf.
+    return keras.Sequential([
+        keras.Input((32,)), keras.layers.Dense(64), keras.layers.LayerNormalization(),
+        keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)])
+
+
+def _train_raw(policy, cbs=(), epochs=6):
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    policies.set_global_policy(policy)
+    x, y = _raw_features(2048, 0)
+    xv, yv = _raw_features(512, 1)
+    model = _raw_feature_model()
+    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True), metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=32, epochs=epochs, verbose=0, callbacks=list(cbs))
+    return model, history, model.evaluate(xv, yv, verbose=0)[1]
+
+
+def _small(policy="adaptive_bfloat16", units=(8, 4)):
+    policies.set_global_policy(policy)
+    model = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(u) for u in units]
+                             + [keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    return model
+
+
+def _xy(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+# -- demonstrations ----------------------------------------------------------
+
+def test_float16_failure_recovered_with_most_layers_in_float16():
+    _, _, acc32 = _train_raw("float32")
+    _, _, acc16 = _train_raw("mixed_float16")
+    cb = AdaptivePrecision(interval=5)
+    model, history, acc_adaptive = _train_raw("adaptive_float16", [cb])
+    print(f"float32 {acc32:.4f}  mixed_float16 {acc16:.4f}  adaptive {acc_adaptive:.4f}")
+    print(precision_report(model))
+    assert acc16 <= acc32 - 0.05  # static float16 fails honestly
+    assert acc_adaptive >= acc32 - 0.01  # adaptive recovers within 1 point
+    dense = [l for l in model.layers if isinstance(l, keras.layers.Dense)]
+    in_fp16 = [l for l in dense if l.compute_dtype == "float16"]
+    assert len(in_fp16) * 2 >= len(dense), [l.compute_dtype for l in dense]
+    assert dense[0].compute_dtype == "float32"  # the projection of the raw features
+    assert cb.events[0]["reason"] == "nonfinite_everywhere"
+    assert sum(history.history["precision_switches"]) == len(cb.events)
+    assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+
+
+def _train_precise(policy, cbs=()):
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    policies.set_global_policy(policy)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 16)).astype("float32")
+    y = x @ rng.normal(size=(16, 1)).astype("float32") + 3.0
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model.fit(x, y, batch_size=64, epochs=15, verbose=0, callbacks=list(cbs))
+    return model, float(model.evaluate(x, y, verbose=0))
+
+
+def test_bfloat16_precision_loss_is_not_detected_by_gradient_statistics():
+    """Reported plainly: bfloat16's 8-bit mantissa limits how well a precise
+    regression fits, but no gradient statistic (range, subnormals, non-finite)
+    sees it, so adaptive (bfloat16, float32) stays where static bfloat16 is."""
+    _, mse32 = _train_precise("float32")
+    _, mse16 = _train_precise("mixed_bfloat16")
+    cb = AdaptivePrecision(interval=4)
+    model, mse_adaptive = _train_precise("adaptive_bfloat16", [cb])
+    print(f"MSE float32 {mse32:.3g}  mixed_bfloat16 {mse16:.3g}  adaptive {mse_adaptive:.3g}")
+    print(precision_report(model))
+    assert mse16 > 10 * mse32  # static bfloat16 is measurably worse
+    assert cb.events == []
+    assert {l.compute_dtype for l in model.layers} == {"bfloat16"}
+    assert mse_adaptive > 10 * mse32  # not recovered: the limitation, stated
+    for row in precision_report(model).rows:
+        assert row["stats"]["bf16_subnormal"] == 0 and row["stats"]["nonfinite"] == 0
+
+
+# -- wiring ------------------------------------------------------------------
+
+def test_wraps_optimizer_with_dynamic_scaling_when_float16_is_a_candidate():
+    model = _small("adaptive_float16")
+    assert type(model.optimizer) is keras.optimizers.Adam  # Keras did not wrap it
+    model.fit(*_xy(), epochs=1, verbose=0, callbacks=[AdaptivePrecision(interval=2)])
+    opt = model.optimizer
+    assert isinstance(opt, keras_mp.LossScaleOptimizer)
+    assert isinstance(opt.schedule, loss_scale.DynamicLossScale)
+    assert isinstance(opt.inner_optimizer, keras.optimizers.Adam)
+    assert opt.statistics_sink is not None
+
+
+def test_fixed_unit_scale_without_float16_and_keras_lso_is_replaced():
+    model = _small("adaptive_bfloat16")
+    model.fit(*_xy(), epochs=1, verbose=0, callbacks=[AdaptivePrecision(interval=2)])
+    assert model.optimizer.schedule == loss_scale.FixedLossScale(1.0)
+    model = _small("adaptive_float16")
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+                  loss="mse")
+    model.fit(*_xy(), epochs=1, verbose=0, callbacks=[AdaptivePrecision(interval=2)])
+    assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+    assert isinstance(model.optimizer.inner_optimizer, keras.optimizers.SGD)
+
+
+def test_rebuilds_train_function_only_when_a_dtype_changes_and_keeps_optimizer_state():
+    model = _small("adaptive_bfloat16")
+    policy = policies.policy_of(model)
+    policy.rule = keras_mp.controller.DecisionRule(patience=1, cooldown=0)
+    # Start the middle layer in float32: healthy statistics demote it.
+    policy.assign(model.layers[1].path, "float32")
+    cb = AdaptivePrecision(interval=4)
+    x, y = _xy(32)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 4 calls: a decision
+    assert [e["layer"] for e in cb.events] == [model.layers[1].path]
+    assert model.layers[1].compute_dtype == "bfloat16"
+    fn = model.train_function
+    moments = [v for v in model.optimizer.inner_optimizer.variables]
+    iterations = int(model.optimizer.iterations)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb])  # no switch now
+    assert model.train_function is fn
+    assert int(model.optimizer.iterations) == iterations + 8
+    assert all(a is b for a, b in zip(moments, model.optimizer.inner_optimizer.variables))
+
+
+def test_history_and_tensorboard_logging(tmp_path):
+    model = _small("adaptive_bfloat16")
+    policies.policy_of(model).assign(model.layers[0].path, "float32")
+    policies.policy_of(model).rule = keras_mp.controller.DecisionRule(patience=1, cooldown=0)
+    cb = AdaptivePrecision(interval=2, log_dir=str(tmp_path))
+    h = model.fit(*_xy(16), batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+    assert h.history["precision_switches"] == [1, 0]
+    assert h.history["precision_narrow_layers"] == [3, 3]
+    tags = set()
+    for path in glob.glob(os.path.join(str(tmp_path), "*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(v.tag for v in event.summary.value)
+    assert f"precision/{model.layers[0].path}/bits" in tags
+    assert "precision/switches" in tags and "precision/loss_scale" in tags
+
+
+def test_custom_training_loop():
+    model = _small("adaptive_float16")
+    policy = policies.policy_of(model)
+    cb = AdaptivePrecision(interval=3)
+    cb.set_model(model)
+    opt = model.optimizer
+    x, y = _xy(8)
+    x[0, 0] = 1e6  # every float16 step overflows in the first layer
+
+    def make_step():
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((tf.cast(model(x), "float32") - y) ** 2)
+                scaled = opt.scale_loss(loss)
+            grads = tape.gradient(scaled, model.trainable_variables)
+            opt.apply(grads, model.trainable_variables)
+        return step
+
+    step, switched = make_step(), []
+    for _ in range(6):
+        step(x, y)
+        made = cb.step_end()
+        if made:
+            switched += made
+            step = make_step()
+    assert switched and switched[0]["layer"] == model.layers[0].path
+    assert policy.dtype_of(model.layers[0].path) == "float32"
+    assert cb._stats.read().steps == 0  # the last decision consumed the interval
+
+
+def test_under_mirrored_strategy(two_replica_strategy):
+    with two_replica_strategy.scope():
+        model = _small("adaptive_bfloat16")
+    cb = AdaptivePrecision(interval=100)
+    model.fit(*_xy(32), batch_size=8, epochs=1, verbose=0, callbacks=[cb])
+    interval = cb._stats.read()
+    assert interval.steps == 4  # one accumulation per step, not per replica
+    assert all(s.amax > 0 for s in interval.layers)
+
+
+# -- persistence -------------------------------------------------------------
+
+def _switched_model():
+    model = _small("adaptive_float16")
+    cb = AdaptivePrecision(interval=2)
+    x, y = _xy(16)
+    x[0, 0] = 1e6
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+    assert model.layers[0].compute_dtype == "float32", cb.events
+    return model, cb
+
+
+def test_keras_file_keeps_dtypes_controller_state_and_optimizer(tmp_path):
+    model, _ = _switched_model()
+    before = precision_report(model)
+    scale = float(model.optimizer.loss_scale)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    policies.set_global_policy("float32")
+    loaded = keras.saving.load_model(path)
+    after = precision_report(loaded)
+    assert after.dtypes().values() and list(after.dtypes().values()) == \
+        list(before.dtypes().values())
+    assert [r["state"] for r in after.rows] == [r["state"] for r in before.rows]
+    assert [r["history"] for r in after.rows] == [r["history"] for r in before.rows]
+    assert isinstance(loaded.optimizer, keras_mp.LossScaleOptimizer)
+    assert float(loaded.optimizer.loss_scale) == scale
+    # Resuming: the callback continues from the restored state, no new switch.
+    cb = AdaptivePrecision(interval=2)
+    x, y = _xy(16)
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[cb])
+    assert cb.events == []
+    assert loaded.layers[0].compute_dtype == "float32"
+    assert precision_report(loaded).rows[0]["switches"] == before.rows[0]["switches"]
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_with_the_same_precisions(tmp_path):
+    backup = str(tmp_path / "backup")
+    x, y = _xy(16)
+    x[0, 0] = 1e6
+    model = _small("adaptive_float16")
+    cb = AdaptivePrecision(interval=2)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, batch_size=8, epochs=4, verbose=0, callbacks=[
+            cb,
+            keras.callbacks.BackupAndRestore(backup), _Interrupt()])
+    states = [r["state"] for r in precision_report(model).rows]
+    assert model.layers[0].compute_dtype == "float32"
+
+    # A new process would rebuild the model from code: fresh policy, float16.
+    keras.utils.clear_session()
+    fresh = _small("adaptive_float16")
+    assert fresh.layers[0].compute_dtype == "float16"
+    cb2 = AdaptivePrecision(interval=1000)  # no decision during the resumed epochs
+    # The restoring callback listed first: order must not matter.
+    fresh.fit(x, y, batch_size=8, epochs=4, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(backup), cb2])
+    assert fresh.layers[0].compute_dtype == "float32"
+    assert [r["state"] for r in precision_report(fresh).rows] == states
+
+
+# -- errors ------------------------------------------------------------------
+
+def test_errors():
+    with pytest.raises(ValueError, match="interval"):
+        AdaptivePrecision(interval=0)
+    with pytest.raises(ValueError, match="verbose"):
+        AdaptivePrecision(verbose=2)
+    model = _small("float32")
+    with pytest.raises(ValueError, match="set_global_policy"):
+        model.fit(*_xy(), epochs=1, verbose=0, callbacks=[AdaptivePrecision()])
+    policies.set_global_policy("adaptive_bfloat16")
+    uncompiled = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="compiled"):
+        AdaptivePrecision().set_model(uncompiled)
+    with pytest.raises(ValueError, match="set_model"):
+        AdaptivePrecision().step_end()
+    assert callbacks.AdaptivePrecision is AdaptivePrecision
