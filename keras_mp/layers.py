@@ -28,7 +28,8 @@ from keras import ops
 
 from keras_mp import ops as kops
 
-__all__ = ["Dense", "LayerNormalization", "RMSNormalization", "Softmax", "FUSED_LAYERS"]
+__all__ = ["Dense", "LayerNormalization", "MultiHeadAttention", "RMSNormalization", "Softmax",
+           "FUSED_LAYERS"]
 
 # Keras activation functions with a fused kernel, and how the kernel names them.
 _FUSED_ACTIVATIONS: dict[Any, tuple[str, bool]] = {
@@ -53,10 +54,10 @@ def _last_axis(axis: Any, rank: int | None) -> bool:
 class Dense(keras.layers.Dense):
     """``keras.layers.Dense`` with bias and activation fused after the matmul.
 
-    The matmul runs where the device's fastest library runs it (oneDNN on
-    CPU, which uses AMX for bfloat16; XLA:CPU does not), the epilogue
+    The matmul runs where :mod:`keras_mp.xla` places it (oneDNN on CPUs
+    with AMX, which XLA:CPU does not use; XLA elsewhere), the epilogue
     ``activation(x @ kernel + bias)`` is one XLA kernel forward and one
-    backward. Activations fused: None/linear, relu, gelu (exact, as Keras's
+    backward (or part of the matmul's XLA computation). Activations fused: None/linear, relu, gelu (exact, as Keras's
     ``"gelu"``), silu/swish, tanh; any other runs as in Keras.
 
     Example:
@@ -78,10 +79,11 @@ class Dense(keras.layers.Dense):
     def call(self, inputs, training=None):
         if not self.fused:
             return super().call(inputs, training=training)
-        # Outside XLA: on CPU oneDNN runs bf16 matmuls ~3x faster than XLA:CPU.
-        x = ops.matmul(inputs, self.kernel)
+        # keras_mp.xla places the matmul: outside XLA on CPUs with AMX (oneDNN
+        # runs bf16 matmuls ~3x faster than XLA:CPU there), inside elsewhere.
         name, approximate = _FUSED_ACTIVATIONS[self.activation]
-        return kops.bias_activation(x, self.bias, name, approximate=approximate)
+        return kops.dense_activation(inputs, self.kernel, self.bias, name,
+                                     approximate=approximate)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -181,10 +183,71 @@ class Softmax(keras.layers.Softmax):
         return kops.softmax(inputs, mask, axis=axis)
 
 
+@keras.saving.register_keras_serializable(package="keras_mp")
+class MultiHeadAttention(keras.layers.MultiHeadAttention):
+    """``keras.layers.MultiHeadAttention`` with the unmasked rank-3 case as
+    one XLA computation (projections, scores, float32 softmax, output).
+
+    Fused where :mod:`keras_mp.xla` compiles matmuls (GPU/TPU, CPUs without
+    bfloat16 matmul hardware, where TensorFlow's bfloat16 einsums are
+    emulated and ~30x slower than XLA's) and the call has no mask (explicit,
+    causal or carried by the inputs), no attention scores returned and no
+    active dropout; any other call runs Keras's code. Weights and config are
+    Keras's own.
+
+    Example:
+        >>> import keras
+        >>> from keras_mp.layers import MultiHeadAttention
+        >>> layer = MultiHeadAttention(num_heads=2, key_dim=4)
+        >>> x = keras.ops.ones((1, 3, 8))
+        >>> layer(x, x).shape
+        TensorShape([1, 3, 8])
+    """
+
+    def _fusable(self, query, value, key, masks, return_attention_scores, training,
+                 use_causal_mask) -> bool:
+        from keras_mp import xla
+
+        inputs = [t for t in (query, value, key) if t is not None]
+        return (xla.uses_xla("matmul")
+                and all(m is None for m in masks)
+                and not return_attention_scores and not use_causal_mask
+                and not (self._dropout > 0.0 and training)
+                and all(len(t.shape) == 3 for t in inputs)
+                and all(getattr(t, "_keras_mask", None) is None for t in inputs)
+                and self._query_dense.equation == "abc,cde->abde"
+                and self._key_dense.equation == "abc,cde->abde"
+                and self._value_dense.equation == "abc,cde->abde"
+                and self._output_dense.equation == "abcd,cde->abe"
+                and self._attention_axes == (1,))
+
+    def call(self, query, value, key=None, query_mask=None, value_mask=None,
+             key_mask=None, attention_mask=None, return_attention_scores=False,
+             training=None, use_causal_mask=False):
+        masks = (query_mask, value_mask, key_mask, attention_mask)
+        if not self._fusable(query, value, key, masks, return_attention_scores, training,
+                             use_causal_mask):
+            return super().call(query, value, key=key, query_mask=query_mask,
+                                value_mask=value_mask, key_mask=key_mask,
+                                attention_mask=attention_mask,
+                                return_attention_scores=return_attention_scores,
+                                training=training, use_causal_mask=use_causal_mask)
+        key = value if key is None else key
+        weights = []
+        for dense in (self._query_dense, self._key_dense, self._value_dense,
+                      self._output_dense):
+            weights += [dense.kernel, dense.bias if dense.bias_axes else None]
+        dtype = self.compute_dtype
+        return kops.multi_head_attention(
+            ops.cast(query, dtype), ops.cast(key, dtype), ops.cast(value, dtype),
+            weights, scale=float(self._inverse_sqrt_key_dim))
+
+
 FUSED_LAYERS: dict[type, type] = {
     keras.layers.Dense: Dense,
     keras.layers.LayerNormalization: LayerNormalization,
     keras.layers.RMSNormalization: RMSNormalization,
     keras.layers.Softmax: Softmax,
+    keras.layers.MultiHeadAttention: MultiHeadAttention,
 }
 """Keras layer class -> its fused drop-in (exact classes; subclasses are left alone)."""

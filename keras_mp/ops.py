@@ -42,6 +42,10 @@ __all__ = [
     "ACTIVATIONS",
     "bias_activation",
     "bias_activation_reference",
+    "dense_activation",
+    "dense_activation_reference",
+    "multi_head_attention",
+    "multi_head_attention_reference",
     "layer_norm",
     "layer_norm_reference",
     "rms_norm",
@@ -223,6 +227,145 @@ def _check_vector(name: str, v: tf.Tensor, x: tf.Tensor) -> None:
         raise ValueError(
             f"`{name}` must be a vector of length x.shape[-1]={x.shape[-1]}, "
             f"got shape {v.shape}.")
+
+
+# --------------------------------------------------------------------------
+# matmul + bias + activation (Dense)
+
+
+def _matmul_last(x: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+    """``x @ kernel`` over ``x``'s last axis, any rank of ``x``."""
+    rows = tf.reshape(x, [-1, tf.shape(x)[-1]])
+    out = tf.matmul(rows, tf.cast(kernel, x.dtype))
+    return tf.reshape(out, tf.concat([tf.shape(x)[:-1], tf.shape(kernel)[-1:]], 0))
+
+
+@xla.jit("matmul")
+def _dense_xla(x, kernel, bias, act):
+    # The whole layer is one computation here; XLA differentiates it, and
+    # TensorFlow compiles that gradient function too.
+    z = _float(_matmul_last(x, kernel))
+    if bias is not None:
+        z = z + _float(bias)
+    return tf.cast(_act_forward(z, act), x.dtype)
+
+
+def dense_activation(x, kernel, bias=None, activation: str | None = "linear", *,
+                     approximate: bool = False) -> tf.Tensor:
+    """``activation(x @ kernel + bias)``, placed by :mod:`keras_mp.xla`.
+
+    Where matmuls run under XLA (GPU/TPU, and CPUs without bfloat16 matmul
+    hardware) the whole expression is one XLA computation; elsewhere the
+    matmul runs in TensorFlow (oneDNN, which uses AMX) and the epilogue is
+    :func:`bias_activation`.
+
+    Args:
+        x: float tensor, features on the last axis.
+        kernel: ``[x.shape[-1], units]`` matrix (cast to ``x``'s dtype).
+        bias, activation, approximate: as for :func:`bias_activation`.
+
+    Returns:
+        ``[..., units]`` in ``x``'s dtype.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> from keras_mp import ops as kops
+        >>> kops.dense_activation(tf.ones([2, 3]), tf.ones([3, 4]), None, "relu").shape
+        TensorShape([2, 4])
+    """
+    act = _check_activation(activation, approximate)
+    x = tf.convert_to_tensor(x)
+    # Keras variables must enter the compiled function as tensors (read
+    # under the layer's autocast scope, so already in the compute dtype).
+    kernel = tf.convert_to_tensor(kernel)
+    bias = None if bias is None else tf.convert_to_tensor(bias)
+    if xla.uses_xla("matmul"):
+        return _dense_xla(x, kernel, bias, act)
+    return bias_activation(_matmul_last(x, kernel), bias, activation, approximate=approximate)
+
+
+def dense_activation_reference(x, kernel, bias=None, activation: str | None = "linear", *,
+                               approximate: bool = False) -> tf.Tensor:
+    """What Keras's ``Dense`` computes: ``keras.ops.matmul`` then
+    :func:`bias_activation_reference`, in ``x``'s dtype.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> from keras_mp import ops as kops
+        >>> kops.dense_activation_reference(tf.ones([1, 2]), tf.ones([2, 1])).numpy().tolist()
+        [[2.0]]
+    """
+    x = tf.convert_to_tensor(x)
+    y = ops.matmul(x, ops.cast(kernel, x.dtype))
+    return bias_activation_reference(y, bias, activation, approximate=approximate)
+
+
+# --------------------------------------------------------------------------
+# multi-head self/cross attention without masks (MultiHeadAttention's core)
+
+
+def _project(x, kernel, bias, equation):
+    y = tf.einsum(equation, x, tf.cast(kernel, x.dtype))
+    return y if bias is None else y + tf.cast(bias, y.dtype)
+
+
+@xla.jit("matmul")
+def _attention_xla(query, key, value, weights, scale):
+    q_k, q_b, k_k, k_b, v_k, v_b, o_k, o_b = weights
+    q = _project(query, q_k, q_b, "abc,cde->abde") * tf.cast(scale, query.dtype)
+    k = _project(key, k_k, k_b, "abc,cde->abde")
+    v = _project(value, v_k, v_b, "abc,cde->abde")
+    scores = tf.einsum("aecd,abcd->acbe", k, q)
+    # Softmax statistics in float32 whatever the compute dtype.
+    probs = tf.cast(tf.nn.softmax(_float(scores), axis=-1), query.dtype)
+    context = tf.einsum("acbe,aecd->abcd", probs, v)
+    return _project(context, o_k, o_b, "abcd,cde->abe")
+
+
+def multi_head_attention(query, key, value, weights, *, scale: float) -> tf.Tensor:
+    """Unmasked multi-head attention with its four projections, as
+    ``keras.layers.MultiHeadAttention`` computes it for rank-3 inputs.
+
+    Where matmuls run under XLA this is one XLA computation (the CPU case
+    where it matters: TensorFlow's bfloat16 einsum kernels are emulated and
+    ~30x slower than XLA's on CPUs without bfloat16 hardware); elsewhere it
+    is :func:`multi_head_attention_reference`.
+
+    Args:
+        query: ``[batch, T, dim]``; key, value: ``[batch, S, dim]``.
+        weights: the 8 tensors ``(query_kernel [dim, heads, key_dim],
+            query_bias [heads, key_dim] or None, key_kernel, key_bias,
+            value_kernel [dim, heads, value_dim], value_bias, output_kernel
+            [heads, value_dim, out], output_bias [out] or None)``.
+        scale: multiplies the projected query, usually ``key_dim**-0.5``.
+
+    Returns:
+        ``[batch, T, out]`` in ``query``'s dtype.
+    """
+    weights = tuple(None if w is None else tf.convert_to_tensor(w) for w in weights)
+    query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
+    if len(weights) != 8:
+        raise ValueError(f"`weights` must hold 8 tensors (4 kernels, 4 biases or None), "
+                         f"got {len(weights)}.")
+    if xla.uses_xla("matmul"):
+        return _attention_xla(query, key, value, weights, float(scale))
+    return multi_head_attention_reference(query, key, value, weights, scale=scale)
+
+
+def multi_head_attention_reference(query, key, value, weights, *, scale: float) -> tf.Tensor:
+    """:func:`multi_head_attention` in plain ``keras.ops``, in ``query``'s dtype."""
+    q_k, q_b, k_k, k_b, v_k, v_b, o_k, o_b = weights
+    query = tf.convert_to_tensor(query)
+
+    def project(x, kernel, bias, equation):
+        y = ops.einsum(equation, x, ops.cast(kernel, x.dtype))
+        return y if bias is None else y + ops.cast(bias, y.dtype)
+
+    q = project(query, q_k, q_b, "abc,cde->abde") * ops.cast(scale, query.dtype)
+    k = project(key, k_k, k_b, "abc,cde->abde")
+    v = project(value, v_k, v_b, "abc,cde->abde")
+    probs = ops.softmax(ops.einsum("aecd,abcd->acbe", k, q), axis=-1)
+    return project(ops.einsum("acbe,aecd->abcd", probs, v), o_k, o_b, "abcd,cde->abe")
 
 
 # --------------------------------------------------------------------------

@@ -3,9 +3,17 @@
 Measured on a 2-core Xeon with AMX-BF16 (``../shared/anchors``): XLA:CPU does
 not use AMX, so a bfloat16 matmul runs at ~210 GFLOP/s under XLA against
 ~720 through TensorFlow/oneDNN, while elementwise and reduction work in
-bfloat16 runs ~3x faster under XLA than as a TF graph. Hence the default:
-matmuls and convolutions stay outside XLA on CPU, everything elementwise or
-reducing around them is compiled. On GPU/TPU XLA handles both well.
+bfloat16 runs ~3x faster under XLA than as a TF graph. Hence, on such a CPU,
+matmuls and convolutions stay outside XLA, everything elementwise or
+reducing around them is compiled.
+
+On a CPU without bfloat16 matmul hardware (no AMX-BF16, no AVX512-BF16; e.g.
+an AVX2-only AMD EPYC) the balance flips: TensorFlow's own bfloat16 einsum
+and batched-matmul kernels are emulated and slow (a 8x128x512 -> 8x128x8x64
+projection fwd+bwd: ~500 ms as a TF graph, ~16 ms under XLA, which computes
+bfloat16 dots in float32), so there matmuls are compiled too
+(``python -m benchmarks.transformer_step``, docs/fused_kernels.md).
+On GPU/TPU XLA handles both well.
 
 Users override the decision per kind of work with :func:`set_xla`.
 """
@@ -20,12 +28,12 @@ from typing import Literal, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["Kind", "set_xla", "uses_xla", "jit", "xla_available"]
+__all__ = ["Kind", "set_xla", "uses_xla", "jit", "xla_available", "cpu_has_bf16_matmul"]
 
 Kind = Literal["elementwise", "matmul"]
 KINDS: tuple[str, ...] = ("elementwise", "matmul")
 
-# device type -> kind -> compiled by default?
+# device type -> kind -> compiled by default? (CPU matmuls: see _default)
 _DEFAULTS: dict[str, dict[str, bool]] = {
     "CPU": {"elementwise": True, "matmul": False},
     "GPU": {"elementwise": True, "matmul": True},
@@ -70,6 +78,35 @@ def set_xla(kind: Kind, enabled: bool | None) -> None:
             _overrides[kind] = enabled
 
 
+_BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AMX-BF16 or
+    AVX512-BF16), which oneDNN uses and XLA:CPU does not.
+
+    Read from ``/proc/cpuinfo``; where that is missing (not Linux) the
+    answer is True, which keeps matmuls with TensorFlow's libraries, the
+    choice that is never far off there.
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return any(flag in flags for flag in _BF16_MATMUL_FLAGS)
+    except OSError:
+        pass
+    return True
+
+
+def _default(kind: str, device_type: str) -> bool:
+    if device_type == "CPU" and kind == "matmul":
+        return not cpu_has_bf16_matmul()
+    return _DEFAULTS.get(device_type, _DEFAULTS["CPU"])[kind]
+
+
 def current_device_type() -> str:
     """The device type ops placed now would run on ("CPU", "GPU" or "TPU")."""
     if tf.config.list_logical_devices("TPU"):
@@ -101,13 +138,21 @@ def xla_available(device_type: str | None = None) -> bool:
 
 
 def uses_xla(kind: Kind, device_type: str | None = None) -> bool:
-    """Whether work of ``kind`` is compiled with XLA on ``device_type``."""
+    """Whether work of ``kind`` is compiled with XLA on ``device_type``.
+
+    Example:
+        >>> from keras_mp import xla
+        >>> xla.uses_xla("elementwise", "CPU")
+        True
+        >>> xla.uses_xla("matmul", "CPU") == (not xla.cpu_has_bf16_matmul())
+        True
+    """
     _check_kind(kind)
     device_type = device_type or current_device_type()
     if kind in _overrides:
         wanted = _overrides[kind]
     else:
-        wanted = _DEFAULTS.get(device_type, _DEFAULTS["CPU"])[kind]
+        wanted = _default(kind, device_type)
     return wanted and xla_available(device_type)
 
 
