@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -15,6 +16,62 @@ def _demo(args: argparse.Namespace) -> int:
     result = run_demo(policy=args.policy, epochs=args.epochs, batch_size=args.batch_size,
                       out_dir=args.out, verbose=0 if args.quiet else 1)
     print(result.report)
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _info(args: argparse.Namespace) -> int:
+    import keras
+    import tensorflow as tf
+
+    import keras_mp
+    from keras_mp import device
+
+    prof = device.profile()
+    gpus = tf.config.list_physical_devices("GPU")
+    tpus = tf.config.list_logical_devices("TPU")
+    flags = ", ".join(sorted(prof.flags)) or "none of amx_bf16/avx512_bf16/amx_fp16/avx512_fp16"
+    lines = [
+        f"keras-mp {keras_mp.__version__}, Keras {keras.__version__}, "
+        f"TensorFlow {tf.__version__}",
+        f"CPU: {_cpu_name()} ({os.cpu_count()} cores); low-precision flags: {flags}",
+        f"GPUs: {', '.join(g.name for g in gpus) or 'none'}; TPUs: "
+        f"{', '.join(t.name for t in tpus) or 'none'}",
+        f"Device used: {prof.device_type}",
+        "",
+        "Measured matmul throughput (this machine, now):",
+    ]
+    for dtype, gflops in prof.throughput.items():
+        native = "" if dtype == "float32" else (
+            "  hardware support" if prof.hardware.get(dtype) else "  no hardware support")
+        lines.append(f"  {dtype:<9} {gflops:8.1f} GFLOP/s  {prof.speedup(dtype):5.2f}x float32"
+                     f"{native}")
+    fast = ", ".join(prof.fast) or "none"
+    lines += ["", f"Fast low-precision dtypes here: {fast}",
+              f"'adaptive' would choose among: {', '.join(device.default_candidates())}",
+              f"XLA for elementwise work: {keras_mp.uses_xla('elementwise')}; for matmuls: "
+              f"{keras_mp.uses_xla('matmul')}"]
+    print("\n".join(lines))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from keras_mp.benchmarks import suite
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    suite.run(models=models, quick=args.quick, out=args.out)
     return 0
 
 
@@ -37,6 +94,24 @@ def _parser() -> argparse.ArgumentParser:
                                                  "(default: the current folder)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=_demo)
+
+    info = sub.add_parser(
+        "info", help="what this machine runs fast and what 'adaptive' would choose",
+        description="Prints the device, its low-precision CPU flags, a measured matmul "
+                    "micro-benchmark per dtype, and the dtypes the adaptive policy uses.")
+    info.set_defaults(func=_info)
+
+    bench = sub.add_parser(
+        "bench", help="plain Keras vs keras-mp, side by side",
+        description="Times training steps of plain Keras float32, mixed_bfloat16, "
+                    "mixed_float16 and keras-mp (adaptive, fused) in one process; prints "
+                    "ratios, peak memory and final loss; writes bench.json and bench.png.")
+    bench.add_argument("--quick", action="store_true", help="small shapes, few steps")
+    bench.add_argument("--models", default="mlp,cnn,transformer",
+                       help="comma-separated, among mlp, cnn, transformer "
+                            "(default: %(default)s)")
+    bench.add_argument("--out", default=None, help="folder for bench.json and bench.png")
+    bench.set_defaults(func=_bench)
     return parser
 
 
