@@ -8,7 +8,9 @@ What the callback does, and when:
   (wrapping the compiled one if not: with a dynamic loss scale when float16
   is a candidate, with a fixed scale of 1 otherwise, so that its statistics
   kernel still runs), and sets the optimizer's ``statistics_sink`` to a
-  :class:`keras_mp.stats.LayerStatistics` attached to the model. This is how
+  :class:`keras_mp.stats.LayerStatistics` attached to the model (which
+  counts non-finite gradients only at the schedule's smallest scale: above
+  it, an overflow is the loss scaler's to fix). This is how
   loss scaling is wired in without the user wrapping the optimizer: Keras's
   own auto-wrap fires only for the policy name ``"mixed_float16"``.
 * every ``interval`` train-function calls: reads the statistics once, asks
@@ -104,6 +106,15 @@ class _PrecisionState(keras.layers.Layer):
         raise TypeError("_PrecisionState holds state; it is not called on data.")
 
 
+def _scale_floor(schedule: loss_scale.LossScaleSchedule) -> float | None:
+    """The smallest scale ``schedule`` reaches (None if unknown: every
+    non-finite step then counts against the layers)."""
+    if not schedule.is_dynamic:
+        return float(schedule.scale(schedule.initial_state()))
+    floor = getattr(schedule, "min_scale", None)
+    return float(floor) if floor is not None else None
+
+
 def _attached(model: keras.Model, attr: str, cls, paths: tuple[str, ...], make):
     obj = getattr(model, attr, None)
     if isinstance(obj, cls) and obj.paths == paths:
@@ -185,6 +196,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
                                 lambda: _PrecisionState(self._paths))
         self._state.write(self._states(), policy.candidates, self._calls)
         optimizer = self._wrap_optimizer(model)
+        self._stats.scale_floor = _scale_floor(optimizer.schedule)
         optimizer.statistics_sink = self._stats.accumulate
         self._restored = False
 

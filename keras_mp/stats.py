@@ -13,7 +13,11 @@ inside the compiled train step. Nothing is read back to the host until
 Per layer and interval (fractions are of the layer's gradient elements,
 weighted by tensor size, and averaged over steps and replicas):
 
-* ``nonfinite``: fraction of steps in which any of its gradients held inf/nan;
+* ``nonfinite``: fraction of steps in which any of its gradients held inf/nan
+  *while the loss scale was at its floor* (``scale_floor``). Above the
+  floor an overflow is the loss scaler's to fix (it backs off at once); a
+  layer whose gradients stay non-finite at the floor, or a forward pass that
+  overflows at any scale, is a precision problem;
 * ``amax``: the largest finite unscaled gradient magnitude;
 * ``fp16_underflow``, ``fp16_subnormal``, ``fp16_overflow``,
   ``bf16_subnormal``, ``zero``: as in :mod:`keras_mp.kernels`.
@@ -88,16 +92,21 @@ class LayerStatistics(keras.layers.Layer):
     Args:
         layers: the layers to attribute gradients to, in forward order;
             gradients of variables that none of them owns are ignored.
+        scale_floor: the smallest loss scale the schedule reaches; non-finite
+            gradients count only at steps whose scale is at most this. None
+            counts them at every scale (right for a fixed scale).
         name: the layer's name.
     """
 
-    def __init__(self, layers: Sequence[keras.layers.Layer], name: str = "keras_mp_statistics"):
+    def __init__(self, layers: Sequence[keras.layers.Layer], *,
+                 scale_floor: float | None = None, name: str = "keras_mp_statistics"):
         # float32 whatever the global policy: these are counters, not activations.
         super().__init__(name=name, dtype="float32", trainable=False)
         layers = list(layers)
         if not layers:
             raise ValueError("`layers` must hold at least one layer with trainable variables.")
         self.paths: tuple[str, ...] = tuple(layer.path for layer in layers)
+        self.scale_floor = scale_floor
         self._owner: dict[str, int] = {}
         for i, layer in enumerate(layers):
             for v in layer._trainable_variables:
@@ -139,8 +148,12 @@ class LayerStatistics(keras.layers.Layer):
         bad = tf.maximum(tf.math.unsorted_segment_max(bad, seg, n + 1)[:n], 0.0)
         amax = tf.maximum(tf.math.unsorted_segment_max(
             tf.cast(stats.amax, tf.float32), seg, n + 1)[:n], 0.0)
-        everywhere = tf.reduce_min(bad)
         scale = tf.reshape(tf.cast(scale, tf.float32), [1])
+        if self.scale_floor is not None:
+            # A tolerance for the float32 rounding of the scale.
+            at_floor = tf.cast(scale[0] <= self.scale_floor * (1 + 1e-6), tf.float32)
+            bad = bad * at_floor
+        everywhere = tf.reduce_min(bad)
 
         ctx = tf.distribute.get_replica_context()
         if tf.distribute.has_strategy() and ctx is not None and ctx.num_replicas_in_sync > 1:

@@ -48,7 +48,12 @@ def _train_raw(policy, cbs=(), epochs=6):
 
 def _small(policy="adaptive_bfloat16", units=(8, 4)):
     policies.set_global_policy(policy)
-    model = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(u) for u in units]
+    # A small first kernel keeps that layer's output within float16 once an
+    # input beyond float16 (see _overflowing) is handled in float32.
+    small = keras.initializers.RandomUniform(-0.05, 0.05, seed=1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(units[0],
+                                                                    kernel_initializer=small)]
+                             + [keras.layers.Dense(u) for u in units[1:]]
                              + [keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     return model
@@ -58,6 +63,19 @@ def _xy(n=32, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 4)).astype("float32")
     return x, x.sum(axis=1, keepdims=True)
+
+
+def _overflowing(n=16):
+    """Data with one input beyond float16's range in every batch of 8 (the
+    targets stay small: only the input side leaves float16's range)."""
+    x, y = _xy(n)
+    x[::8, 0] = 7e4
+    return x, y
+
+
+def _small_scale():
+    # The non-finite steps count once the scale reaches its floor (1): start near it.
+    return loss_scale.DynamicLossScale(initial_scale=2.0)
 
 
 # -- demonstrations ----------------------------------------------------------
@@ -176,11 +194,10 @@ def test_history_and_tensorboard_logging(tmp_path):
 def test_custom_training_loop():
     model = _small("adaptive_float16")
     policy = policies.policy_of(model)
-    cb = AdaptivePrecision(interval=3)
+    cb = AdaptivePrecision(interval=3, loss_scale=_small_scale())
     cb.set_model(model)
     opt = model.optimizer
-    x, y = _xy(8)
-    x[0, 0] = 1e6  # every float16 step overflows in the first layer
+    x, y = _overflowing(8)  # every float16 step overflows in the first layer
 
     def make_step():
         @tf.function
@@ -218,9 +235,8 @@ def test_under_mirrored_strategy(two_replica_strategy):
 
 def _switched_model():
     model = _small("adaptive_float16")
-    cb = AdaptivePrecision(interval=2)
-    x, y = _xy(16)
-    x[0, 0] = 1e6
+    cb = AdaptivePrecision(interval=2, loss_scale=_small_scale())
+    x, y = _overflowing()
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb])
     assert model.layers[0].compute_dtype == "float32", cb.events
     return model, cb
@@ -258,10 +274,9 @@ class _Interrupt(keras.callbacks.Callback):
 
 def test_backup_and_restore_resumes_with_the_same_precisions(tmp_path):
     backup = str(tmp_path / "backup")
-    x, y = _xy(16)
-    x[0, 0] = 1e6
+    x, y = _overflowing()
     model = _small("adaptive_float16")
-    cb = AdaptivePrecision(interval=2)
+    cb = AdaptivePrecision(interval=2, loss_scale=_small_scale())
     with pytest.raises(RuntimeError, match="interrupted"):
         model.fit(x, y, batch_size=8, epochs=4, verbose=0, callbacks=[
             cb,

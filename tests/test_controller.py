@@ -1,0 +1,170 @@
+"""keras_mp.controller.decide on synthetic statistics: promotion, attribution,
+demotion, hysteresis, cool-down, caps, and bad input."""
+
+import dataclasses
+
+import pytest
+
+from keras_mp.controller import (DecisionRule, LayerState, LayerStats, decide,
+                                 sort_candidates)
+
+F16 = ("float16", "float32")
+BF16 = ("bfloat16", "float32")
+HEALTHY = LayerStats(steps=10)
+BAD = LayerStats(steps=10, nonfinite=1.0)
+
+
+def dtypes(decision):
+    return [s.dtype for s in decision.states]
+
+
+def test_whole_step_failure_promotes_input_most_narrow_layer_one_per_interval():
+    states = [LayerState("float16")] * 3
+    d = decide([BAD] * 3, states, F16, all_nonfinite=1.0)
+    assert dtypes(d) == ["float32", "float16", "float16"]
+    assert [(s.layer, s.reason) for s in d.switches] == [(0, "nonfinite_everywhere")]
+    # Still failing: the next narrow layer follows.
+    d = decide([BAD] * 3, d.states, F16, all_nonfinite=1.0)
+    assert dtypes(d) == ["float32", "float32", "float16"]
+    # Fixed: nothing more changes.
+    d2 = decide([HEALTHY] * 3, d.states, F16)
+    assert dtypes(d2) == dtypes(d) and d2.switches == ()
+
+
+def test_partial_nonfinite_promotes_output_most_nonfinite_layer():
+    # Backward overflow in layer 1: layers 0 and 1 non-finite, layer 2 finite.
+    d = decide([BAD, BAD, HEALTHY], [LayerState("float16")] * 3, F16, all_nonfinite=0.0)
+    assert dtypes(d) == ["float16", "float32", "float16"]
+    assert d.switches[0].reason == "nonfinite"
+
+
+def test_nonfinite_at_or_below_threshold_is_the_loss_scalers_business():
+    rule = DecisionRule(max_nonfinite=0.25)
+    s = LayerStats(steps=8, nonfinite=0.25)
+    d = decide([s], [LayerState("float16")], F16, rule, all_nonfinite=0.25)
+    assert d.switches == ()
+    d = decide([dataclasses.replace(s, nonfinite=0.26)], [LayerState("float16")], F16, rule)
+    assert dtypes(d) == ["float32"]
+
+
+def test_range_statistics_promote_only_the_dtype_they_concern():
+    under = LayerStats(steps=5, fp16_subnormal=0.3, bf16_subnormal=0.3)
+    d = decide([under, under], [LayerState("float16"), LayerState("bfloat16")],
+               ("float16", "bfloat16", "float32"))
+    assert dtypes(d) == ["bfloat16", "float32"]
+    assert [s.reason for s in d.switches] == ["fp16_subnormal", "bf16_subnormal"]
+    # float16 statistics say nothing about a bfloat16 layer, and vice versa.
+    d = decide([LayerStats(steps=5, fp16_subnormal=0.9), LayerStats(steps=5, bf16_subnormal=0.9)],
+               [LayerState("bfloat16"), LayerState("float16")], ("float16", "bfloat16", "float32"))
+    assert d.switches == ()
+
+
+def test_demotion_after_patience_only_when_the_narrower_dtype_fits():
+    rule = DecisionRule(patience=3, cooldown=0)
+    st = [LayerState("float32"), LayerState("float32")]
+    fits, overflows = HEALTHY, LayerStats(steps=10, fp16_overflow=0.01)
+    for i in range(3):
+        d = decide([fits, overflows], st, F16, rule)
+        st = d.states
+        assert dtypes(d) == (["float32"] * 2 if i < 2 else ["float16", "float32"])
+    assert d.switches[0].reason == "healthy"
+    assert st[1].healthy == 3  # healthy in float32, just not float16 material
+
+
+def test_hysteresis_band_neither_promotes_nor_demotes():
+    rule = DecisionRule(patience=1, cooldown=0, max_fp16_subnormal=0.2, hysteresis=0.5)
+    band = LayerStats(steps=10, fp16_subnormal=0.15)  # between 0.1 and 0.2
+    d = decide([band, band], [LayerState("float16"), LayerState("float32")], F16, rule)
+    assert d.switches == ()
+    below = LayerStats(steps=10, fp16_subnormal=0.1)
+    d = decide([below], [LayerState("float32")], F16, rule)
+    assert dtypes(d) == ["float16"]
+
+
+def test_cooldown_delays_demotion():
+    rule = DecisionRule(patience=1, cooldown=3)
+    st = [LayerState("float32", cooldown=3)]
+    seen = []
+    for _ in range(4):
+        d = decide([HEALTHY], st, BF16, rule)
+        st = d.states
+        seen.append(dtypes(d)[0])
+    assert seen == ["float32", "float32", "bfloat16", "bfloat16"]
+
+
+def test_patience_doubles_per_strike_and_strikes_pin_the_layer():
+    rule = DecisionRule(patience=2, cooldown=0, max_strikes=2)
+    st = [LayerState("float32", strikes=1)]
+    for i in range(4):
+        d = decide([HEALTHY], st, F16, rule)
+        st = d.states
+        assert dtypes(d) == (["float32"] if i < 3 else ["float16"])
+    st = [LayerState("float32", strikes=2)]
+    for _ in range(50):
+        st = decide([HEALTHY], st, F16, rule).states
+    assert dtypes(decide([HEALTHY], st, F16, rule)) == ["float32"]
+
+
+def test_switch_cap_blocks_demotion_but_never_promotion():
+    rule = DecisionRule(patience=1, cooldown=0, max_switches=2, max_strikes=10)
+    st = [LayerState("float32", switches=2)]
+    for _ in range(5):
+        st = decide([HEALTHY], st, F16, rule).states
+    assert st[0].dtype == "float32"
+    d = decide([BAD], [LayerState("float16", switches=9)], F16, rule, all_nonfinite=1.0)
+    assert dtypes(d) == ["float32"]
+
+
+def test_alternating_trouble_does_not_oscillate():
+    rule = DecisionRule(patience=1, cooldown=1, max_switches=4, max_strikes=2)
+    st = [LayerState("float16")]
+    switches = 0
+    for i in range(200):
+        # A layer that fails whenever it is in float16, and looks healthy in float32.
+        bad = st[0].dtype == "float16"
+        d = decide([BAD if bad else HEALTHY], st, F16, rule, all_nonfinite=1.0 if bad else 0.0)
+        switches += len(d.switches)
+        st = d.states
+    assert st[0].dtype == "float32"
+    assert switches == 3  # up, down after patience, up again: pinned
+
+
+def test_widest_layer_in_trouble_and_unmeasured_layers_are_left_alone():
+    d = decide([BAD, LayerStats()], [LayerState("float32"), LayerState("float16")], F16,
+               all_nonfinite=1.0)
+    assert d.switches == () and dtypes(d) == ["float32", "float16"]
+    assert d.states[1] == LayerState("float16")  # no statistics: untouched
+
+
+def test_single_candidate_never_switches():
+    d = decide([BAD], [LayerState("float32")], ("float32",), all_nonfinite=1.0)
+    assert d.switches == ()
+
+
+def test_sort_candidates_and_validation():
+    assert sort_candidates(["float32", "bfloat16", "float16"]) == (
+        "float16", "bfloat16", "float32")
+    for bad in ([], "float16", ["float64"], ["float16", "float16"]):
+        with pytest.raises(ValueError, match="candidates"):
+            sort_candidates(bad)
+    with pytest.raises(ValueError, match="same length"):
+        decide([HEALTHY], [], F16)
+    with pytest.raises(ValueError, match="candidates"):
+        decide([HEALTHY], [LayerState("bfloat16")], F16)
+    with pytest.raises(ValueError, match="all_nonfinite"):
+        decide([HEALTHY], [LayerState("float16")], F16, all_nonfinite=2.0)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"max_nonfinite": 1.5}, "max_nonfinite"), ({"hysteresis": 0.0}, "hysteresis"),
+    ({"patience": 0}, "patience"), ({"cooldown": -1}, "cooldown"),
+    ({"max_switches": 0}, "max_switches"), ({"max_strikes": 1.5}, "max_strikes"),
+])
+def test_rule_validation(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        DecisionRule(**kwargs)
+
+
+def test_rule_config_round_trip():
+    rule = DecisionRule(patience=3, hysteresis=0.25)
+    assert DecisionRule.from_config(rule.get_config()) == rule

@@ -1,0 +1,70 @@
+"""keras_mp.precision_report: the table, the structured form, before and after
+switches, and for models that are not adaptive."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+from keras_mp import DynamicLossScale, policies
+from keras_mp.callbacks import AdaptivePrecision
+from keras_mp.report import PrecisionReport, precision_report
+
+
+def _model(policy):
+    policies.set_global_policy(policy)
+    # A small first kernel keeps that layer's output within float16 once
+    # its input (which is not) is handled in float32.
+    small = keras.initializers.RandomUniform(-0.05, 0.05, seed=1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, kernel_initializer=small),
+                              keras.layers.ReLU(),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def test_report_after_a_switch_has_dtypes_statistics_and_history():
+    model = _model("adaptive_float16")
+    x = np.ones((16, 4), "float32")
+    x[::8, 0] = 7e4  # beyond float16: inf in the first layer, finite after it in float32
+    # A small initial scale: the non-finite steps count once it reaches its floor.
+    cb = AdaptivePrecision(interval=2, loss_scale=DynamicLossScale(initial_scale=2.0))
+    model.fit(x, np.ones((16, 1)), batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+    r = precision_report(model)
+    assert isinstance(r, PrecisionReport)
+    assert r.policy == "adaptive_float16" and r.candidates == ("float16", "float32")
+    assert [row["layer"] for row in r.rows] == [model.layers[0].path, model.layers[2].path]
+    first, last = r.rows
+    assert first["compute_dtype"] == "float32" and last["compute_dtype"] == "float16"
+    assert first["variable_dtype"] == "float32"
+    assert first["switches"] == 1 and first["history"][0]["reason"] == "nonfinite_everywhere"
+    assert first["history"][0]["old"] == "float16" and first["history"][0]["new"] == "float32"
+    assert set(first["stats"]) >= {"nonfinite", "amax", "fp16_subnormal", "zero"}
+    text = str(r)
+    assert "float16->float32@4 (nonfinite_everywhere)" in text
+    assert text.count("\n") == 2 + len(r.rows)
+    json.dumps(r.to_dict())  # the structured form is plain data
+    assert r.dtypes() == {first["layer"]: "float32", last["layer"]: "float16"}
+
+
+def test_report_before_training_shows_dtypes_and_no_statistics():
+    model = _model("adaptive_bfloat16")
+    r = precision_report(model)
+    assert [row["compute_dtype"] for row in r.rows] == ["bfloat16", "bfloat16"]
+    assert all(row["stats"] is None and row["switches"] == 0 for row in r.rows)
+    assert "| - |" in str(r)
+
+
+@pytest.mark.parametrize("policy, dtype", [("float32", "float32"),
+                                           ("mixed_bfloat16", "bfloat16")])
+def test_report_of_a_model_that_is_not_adaptive(policy, dtype):
+    r = precision_report(_model(policy))
+    assert r.policy == policy and r.candidates == ()
+    assert [row["compute_dtype"] for row in r.rows] == [dtype, dtype]
+    assert str(r).startswith(f"policy: {policy}\n")
+
+
+def test_report_rejects_non_models():
+    with pytest.raises(TypeError, match="model"):
+        precision_report("model")
