@@ -8,6 +8,11 @@ degraded mode.
 import os
 import sys
 
+# The `keras-mp` command prints its own report; TensorFlow's C++ start-up log
+# (CUDA probing, CPU-feature notes) would bury it. Library users keep theirs.
+if os.path.basename(sys.argv[0] if sys.argv else "") == "keras-mp":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
 # Only choose for the user when nothing has chosen yet: once keras is imported
 # its backend is fixed and changing the variable would only mislead.
 if "keras" not in sys.modules and not os.environ.get("KERAS_BACKEND"):
