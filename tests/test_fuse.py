@@ -11,13 +11,15 @@ import tensorflow as tf
 from keras_mp import layers as klayers
 from keras_mp.fuse import fuse
 
-TOL = {"float32": 1e-5, "mixed_bfloat16": 3e-2}
+TOL = {"float32": 1e-5, "mixed_bfloat16": 5e-2}
 
 
 def _block(policy: str) -> keras.Model:
     """A small Transformer-like functional model with a nested Sequential."""
     inp = keras.Input((6, 8))
     h = keras.layers.LayerNormalization(dtype=policy)(inp)
+    h = keras.layers.Add(dtype=policy)(
+        [h, keras.layers.MultiHeadAttention(2, 4, dtype=policy)(h, h)])
     scores = keras.layers.Dense(6, dtype=policy)(h)
     attn = keras.layers.Softmax(dtype=policy)(scores, mask=np.tril(np.ones((6, 6), bool)))
     h = keras.layers.Dense(8, dtype=policy)(attn)
@@ -46,7 +48,7 @@ def test_fuse_swaps_supported_layers_and_preserves_outputs(policy):
     fused = fuse(model)
     kinds = {type(l) for l in _all_layers(fused)}
     assert {klayers.Dense, klayers.LayerNormalization, klayers.RMSNormalization,
-            klayers.Softmax} <= kinds
+            klayers.Softmax, klayers.MultiHeadAttention} <= kinds
     assert keras.layers.Dense not in kinds
     # The original is untouched and shares no variables with the copy.
     assert all(type(l).__module__.startswith("keras.") for l in _all_layers(model))

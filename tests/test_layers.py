@@ -14,10 +14,13 @@ import pytest
 import tensorflow as tf
 
 from keras_mp import layers as klayers
+from keras_mp import xla
+from tests.test_ops import _assert_close_relative_to_largest
 
 POLICIES = ["float32", "mixed_bfloat16", "mixed_float16"]
 TOL = {"float32": 1e-5, "mixed_bfloat16": 3e-2, "mixed_float16": 3e-3}
 GRAD_TOL = {"float32": 1e-4, "mixed_bfloat16": 8e-2, "mixed_float16": 1e-2}
+ATTENTION_TOL = {"float32": 1e-5, "mixed_bfloat16": 5e-2, "mixed_float16": 1e-2}
 
 
 def _pair(keras_cls, fused_cls, input_shape, policy, **kwargs):
@@ -169,3 +172,72 @@ def test_weights_load_from_a_keras_layer_checkpoint(tmp_path):
     keras.Sequential([keras.Input((5,)), fused]).load_weights(path)
     x = tf.random.normal([3, 5])
     np.testing.assert_allclose(fused(x), ref(x), atol=1e-6)
+
+
+@pytest.fixture
+def matmul_in_xla():
+    xla.set_xla("matmul", True)
+    yield
+    xla.set_xla("matmul", None)
+
+
+@pytest.mark.parametrize("matmul_xla", [False, True])
+def test_dense_matches_keras_with_either_matmul_placement(matmul_xla):
+    xla.set_xla("matmul", matmul_xla)
+    try:
+        ref, fused = _pair(keras.layers.Dense, klayers.Dense, (2, 3, 8), "mixed_bfloat16",
+                           units=6, activation="gelu")
+        x = tf.constant(np.random.default_rng(0).normal(size=(2, 3, 8)), tf.float32)
+        _assert_same(ref, fused, x, "mixed_bfloat16")
+    finally:
+        xla.set_xla("matmul", None)
+
+
+def _mha_pair(policy):
+    ref = keras.layers.MultiHeadAttention(2, 4, dtype=policy)
+    fused = klayers.MultiHeadAttention(2, 4, dtype=policy)
+    q, v = tf.random.normal([2, 5, 8]), tf.random.normal([2, 6, 8])
+    ref(q, v)
+    fused(q, v)
+    rng = np.random.default_rng(3)
+    ref.set_weights([rng.normal(size=w.shape).astype("float32") / 2 for w in ref.weights])
+    fused.set_weights(ref.get_weights())
+    return ref, fused, q, v
+
+
+def _attend(layer, q, v, **kwargs):
+    with tf.GradientTape() as tape:
+        tape.watch([q, v])
+        y = layer(q, v, **kwargs)
+        loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.cast(y, tf.float32))
+    return y, tape.gradient(loss, [q, v, *layer.trainable_weights])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_multi_head_attention_matches_keras(policy, matmul_in_xla):
+    ref, fused, q, v = _mha_pair(policy)
+    y_ref, g_ref = _attend(ref, q, v)
+    y, g = _attend(fused, q, v)
+    assert y.dtype == y_ref.dtype == tf.as_dtype(fused.compute_dtype)
+    assert len(g) == len(g_ref) == 2 + 8
+    _assert_close_relative_to_largest(y, y_ref, g, g_ref, ATTENTION_TOL[policy])
+
+
+def test_multi_head_attention_masked_calls_run_keras(matmul_in_xla):
+    ref, fused, q, v = _mha_pair("float32")
+    assert fused._fusable(q, v, None, (None,) * 4, False, None, False)  # noqa: SLF001
+    mask = tf.constant(np.random.default_rng(0).random((2, 5, 6)) > 0.3)
+    assert not fused._fusable(q, v, None, (None, None, None, mask), False, None, False)  # noqa: SLF001
+    np.testing.assert_allclose(fused(q, v, attention_mask=mask), ref(q, v, attention_mask=mask),
+                               atol=1e-5)
+    y, scores = fused(q, v, return_attention_scores=True)
+    assert scores.shape == (2, 2, 5, 6)
+    np.testing.assert_allclose(fused(q, q, use_causal_mask=True),
+                               ref(q, q, use_causal_mask=True), atol=1e-5)
+
+
+def test_multi_head_attention_serializes():
+    layer = klayers.MultiHeadAttention(2, 4, dtype="mixed_bfloat16")
+    config = keras.saving.serialize_keras_object(layer)
+    assert config["registered_name"] == "keras_mp>MultiHeadAttention"
+    assert type(keras.saving.deserialize_keras_object(config)) is klayers.MultiHeadAttention

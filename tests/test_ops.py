@@ -21,6 +21,9 @@ DTYPES = ["float32", "bfloat16", "float16"]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 # Gradients are sums over a row or a batch of rounded products: allow more.
 GRAD_TOL = {"float32": 1e-4, "bfloat16": 6e-2, "float16": 1e-2}
+# Attention chains four matmuls and a softmax, each rounding to the dtype;
+# relative to the largest magnitude of the compared tensor.
+ATTENTION_TOL = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
 
 ACTIVATIONS = [("linear", False), ("relu", False), ("gelu", False), ("gelu", True),
                ("silu", False), ("tanh", False)]
@@ -318,3 +321,143 @@ def test_errors_name_the_argument_and_allowed_values():
         kops.sparse_softmax_cross_entropy(tf.zeros([2]), x)
     with pytest.raises(ValueError, match="`labels` must have shape"):
         kops.sparse_softmax_cross_entropy(tf.zeros([2, 4], tf.int32), x)
+
+
+# --------------------------------------------------------------------------
+# matmul-bearing ops (placed by xla.uses_xla("matmul"))
+
+
+@pytest.fixture(params=[False, True], ids=["matmul_outside_xla", "matmul_in_xla"])
+def matmul_placement(request):
+    xla.set_xla("matmul", request.param)
+    yield request.param
+    xla.set_xla("matmul", None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_activation_matches_reference(dtype, matmul_placement):
+    x = _as(_rng().normal(size=(2, 3, 8)), dtype)
+    k = _as(_rng(1).normal(size=(8, 6)) / 3, dtype)
+    b = tf.constant(_rng(2).normal(size=(6,)), tf.float32)
+    _compare(lambda x, k, b: kops.dense_activation(x, k, b, "gelu"),
+             lambda x, k, b: kops.dense_activation_reference(x, k, b, "gelu"),
+             [x, k, b], dtype, (2, 3, 6))
+
+
+def _assert_close_relative_to_largest(y, y_ref, grads, grads_ref, tol):
+    """Output relative to its largest value, gradients relative to the
+    largest gradient of all: four chained matmuls each round to the dtype,
+    and the key bias's gradient is zero in exact arithmetic (softmax ignores
+    a per-row constant), so it is pure rounding noise on either side."""
+    y_ref = _f32(y_ref)
+    np.testing.assert_allclose(_f32(y) / np.abs(y_ref).max(), y_ref / np.abs(y_ref).max(),
+                               atol=tol)
+    scale = max(float(np.abs(_f32(g)).max()) for g in grads_ref)
+    for i, (a, b) in enumerate(zip(grads, grads_ref)):
+        np.testing.assert_allclose(_f32(a) / scale, _f32(b) / scale, atol=tol,
+                                   err_msg=f"gradient {i}")
+
+
+def _mha_weights(dim=8, heads=2, key_dim=4, seed=0):
+    rng = _rng(seed)
+    shapes = [(dim, heads, key_dim), (heads, key_dim)] * 3 + [(heads, key_dim, dim), (dim,)]
+    return [tf.constant(rng.normal(size=s) / 2, tf.float32) for s in shapes]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_head_attention_matches_reference(dtype):
+    xla.set_xla("matmul", True)
+    try:
+        q = _as(_rng().normal(size=(2, 5, 8)), dtype)
+        v = _as(_rng(1).normal(size=(2, 7, 8)), dtype)
+        w = _mha_weights()
+        inputs = [q, v, *w]
+        cot = tf.constant(_rng(9).normal(size=(2, 5, 8)), tf.float32)
+        y, grads = _value_and_grads(
+            lambda q, v, *w: kops.multi_head_attention(q, v, v, w, scale=0.5), inputs, cot)
+        y_ref, grads_ref = _value_and_grads(
+            lambda q, v, *w: kops.multi_head_attention_reference(q, v, v, w, scale=0.5),
+            [tf.cast(t, tf.float32) for t in inputs], cot)
+        assert y.dtype == q.dtype
+        _assert_close_relative_to_largest(y, y_ref, grads, grads_ref, ATTENTION_TOL[dtype])
+    finally:
+        xla.set_xla("matmul", None)
+
+
+def test_multi_head_attention_without_biases_and_bad_weights():
+    w = _mha_weights()
+    for i in (1, 3, 5, 7):
+        w[i] = None
+    q = tf.constant(_rng().normal(size=(1, 4, 8)), tf.float32)
+    xla.set_xla("matmul", True)
+    try:
+        np.testing.assert_allclose(
+            kops.multi_head_attention(q, q, q, w, scale=0.5),
+            kops.multi_head_attention_reference(q, q, q, w, scale=0.5), atol=1e-5)
+        with pytest.raises(ValueError, match="`weights` must hold 8 tensors"):
+            kops.multi_head_attention(q, q, q, w[:6], scale=0.5)
+    finally:
+        xla.set_xla("matmul", None)
+
+
+def test_matmul_kernels_compile_to_plain_hlo():
+    x = tf.ones([2, 3, 8], tf.bfloat16)
+    w = [tf.cast(t, tf.bfloat16) for t in _mha_weights()]
+    irs = [kops._dense_xla.compiled.experimental_get_compiler_ir(  # noqa: SLF001
+               x, tf.ones([8, 4], tf.bfloat16), tf.ones([4]), "gelu"),
+           kops._attention_xla.compiled.experimental_get_compiler_ir(  # noqa: SLF001
+               x, x, x, tuple(w), 0.5)]
+    for ir in irs:
+        hlo = ir(stage="hlo")
+        assert hlo.startswith("HloModule") and "custom-call" not in hlo
+        assert " dot(" in hlo  # the matmuls are inside the computation
+
+
+def test_dense_in_xla_differentiates_inside_xla():
+    """Forward and backward of the one-computation Dense are both compiled."""
+    xla.set_xla("matmul", True)
+    try:
+        @tf.function
+        def step(x, k, b):
+            with tf.GradientTape() as tape:
+                tape.watch([x, k, b])
+                y = kops.dense_activation(x, k, b, "relu")
+            return y, tape.gradient(y, [x, k, b])
+
+        graph = step.get_concrete_function(tf.TensorSpec([4, 8], tf.bfloat16),
+                                           tf.TensorSpec([8, 3], tf.bfloat16),
+                                           tf.TensorSpec([3], tf.float32)).graph
+        calls = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
+        assert {op.type for op in graph.get_operations()} <= {
+            "Placeholder", "Identity", "Const", "PartitionedCall", "StatefulPartitionedCall"}
+        assert len(calls) == 2
+        for call in calls:
+            fdef = graph._get_function(call.get_attr("f").name).cached_definition  # noqa: SLF001
+            assert fdef.attr["_XlaMustCompile"].b
+    finally:
+        xla.set_xla("matmul", None)
+
+
+# --------------------------------------------------------------------------
+# placement decisions
+
+
+def test_cpu_matmul_placement_follows_bf16_hardware():
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    has = "amx_bf16" in flags or "avx512_bf16" in flags
+    assert xla.cpu_has_bf16_matmul() is has
+    assert xla.uses_xla("matmul", "CPU") is (not has)
+    assert xla.uses_xla("elementwise", "CPU")
+    xla.set_xla("matmul", has)
+    try:
+        assert xla.uses_xla("matmul", "CPU") is has
+    finally:
+        xla.set_xla("matmul", None)
+
+
+def test_set_xla_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="`kind` must be one of"):
+        xla.set_xla("conv", True)
+    with pytest.raises(TypeError, match="`enabled` must be True, False or None"):
+        xla.set_xla("matmul", "yes")
