@@ -65,6 +65,8 @@ from keras.src.backend.tensorflow import trainer as _tf_trainer
 
 __all__ = [
     "FAULTS",
+    "SUPPORTED_STRATEGIES",
+    "check_strategy",
     "keras_multi_worker_faults",
     "patch_multi_worker",
     "patched_faults",
@@ -72,6 +74,11 @@ __all__ = [
 ]
 
 FAULTS: tuple[str, ...] = ("symbolic_build_reduce", "scalar_mean_reduce")
+
+#: Strategies keras-mp is tested with (docs/distributed.md), by class name.
+SUPPORTED_STRATEGIES: tuple[str, ...] = (
+    "default (no strategy)", "OneDeviceStrategy", "MirroredStrategy",
+    "MultiWorkerMirroredStrategy", "CentralStorageStrategy")
 
 # Versions where each fault was seen in the released source: used only when
 # the source cannot be read (e.g. a bytecode-only install).
@@ -259,3 +266,42 @@ def patched_faults() -> tuple[str, ...]:
     """Names of the faults whose fixes are installed now."""
     with _lock:
         return tuple(name for name in FAULTS if name in _originals)
+
+
+def _unsupported_reason(strategy: tf.distribute.Strategy) -> str | None:
+    name = type(strategy).__name__
+    if name.startswith("ParameterServerStrategy"):
+        return ("its workers apply updates asynchronously, so they cannot agree on "
+                "skipping a step with non-finite gradients, and Keras 3's model.fit "
+                "does not run under it")
+    if name.startswith("TPUStrategy"):  # the test Keras's own trainer uses
+        return ("it is untested with keras-mp, and XLA on TPU drops the assertion "
+                "behind `max_consecutive_skips`")
+    return None
+
+
+def check_strategy(strategy: tf.distribute.Strategy | None = None) -> None:
+    """Raises if keras-mp's loss scaling cannot run under ``strategy``.
+
+    :class:`keras_mp.LossScaleOptimizer` calls it when it is created inside a
+    strategy's scope and when it creates its variables (the first ``fit``),
+    so an unsupported set-up fails before any step runs.
+
+    Args:
+        strategy: a ``tf.distribute.Strategy``; the current one when None.
+
+    Raises:
+        TypeError: ``strategy`` is not a ``tf.distribute.Strategy``.
+        ValueError: ``strategy`` is a ParameterServerStrategy or a TPUStrategy.
+    """
+    if strategy is None:
+        strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, (tf.distribute.Strategy, tf.compat.v1.distribute.Strategy)):
+        raise TypeError("`strategy` must be a tf.distribute.Strategy or None, got "
+                        f"{strategy!r}.")
+    reason = _unsupported_reason(strategy)
+    if reason is not None:
+        raise ValueError(
+            f"keras_mp.LossScaleOptimizer does not support {type(strategy).__name__}: "
+            f"{reason}. Supported strategies: {', '.join(SUPPORTED_STRATEGIES)} "
+            "(see docs/distributed.md).")

@@ -25,7 +25,7 @@ from keras import initializers, ops
 from keras.saving import deserialize_keras_object, serialize_keras_object
 from keras.src.utils import tracking  # Keras's own LSO.build uses it too
 
-from keras_mp import kernels
+from keras_mp import distribute, kernels
 from keras_mp import loss_scale as loss_scale_lib
 
 __all__ = ["LossScaleOptimizer"]
@@ -145,6 +145,8 @@ class LossScaleOptimizer(_KerasLSO):
                 or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1):
             raise ValueError("`max_consecutive_skips` must be None or an int >= 1, got "
                              f"{max_consecutive_skips!r}.")
+        if tf.distribute.has_strategy():
+            distribute.check_strategy()  # fail at construction, before compile
         super().__init__(inner_optimizer, initial_scale=initial_scale,
                          dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)
         self._schedule_given = schedule_given
@@ -155,12 +157,15 @@ class LossScaleOptimizer(_KerasLSO):
         # Called in replica context with (GradientStatistics, scale, variables)
         # every step when set; the adaptive precision policy hooks in here.
         self.statistics_sink = None
+        # What a checkpoint of this optimizer saved before its first step holds.
+        self._unbuilt_variable_count = len(self.variables)
 
     # -- state ------------------------------------------------------------
 
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list):
         # Not Keras's LSO.build: our state comes from the schedule.
+        distribute.check_strategy()
         self._state_variables = {}
         for key, (dtype, value) in self.schedule.state_spec().items():
             self._state_variables[key] = self.add_variable(
@@ -311,6 +316,23 @@ class LossScaleOptimizer(_KerasLSO):
             summarize=1)
 
     # -- serialization ----------------------------------------------------
+
+    def load_own_variables(self, store):
+        # Keras only warns on a count mismatch and keeps the defaults: a
+        # resumed run would silently restart from the initial loss scale.
+        saved = len(store.keys())
+        if self.built and saved not in (len(self.variables), self._unbuilt_variable_count):
+            own = ", ".join(v.path.split("/")[-1] for v in self._variables)
+            raise ValueError(
+                f"Cannot load the optimizer state: the file holds {saved} optimizer "
+                f"variables, this {type(self).__name__} ({type(self.schedule).__name__}, "
+                f"inner {type(self.inner_optimizer).__name__}) has {len(self.variables)} "
+                f"(its own: {own}; then the inner optimizer's). The file was saved with "
+                "another optimizer (e.g. without keras_mp.LossScaleOptimizer) or another "
+                "loss-scale schedule: compile with the optimizer it was saved with, or "
+                "load only the model weights (e.g. load_weights into a model compiled "
+                "without an optimizer, then copy them).")
+        super().load_own_variables(store)
 
     def get_config(self):
         config = super().get_config()
