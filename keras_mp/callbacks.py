@@ -13,6 +13,9 @@ What the callback does, and when:
   it, an overflow is the loss scaler's to fix). This is how
   loss scaling is wired in without the user wrapping the optimizer: Keras's
   own auto-wrap fires only for the policy name ``"mixed_float16"``.
+* every ``statistics_every`` train-function calls: runs the step whose
+  optimizer has the sink set (the other steps run a second trace of the train
+  function without it, so the statistics kernel costs nothing there);
 * every ``interval`` train-function calls: reads the statistics once, asks
   :func:`keras_mp.controller.decide`, assigns the new dtypes in the policy and
   rebuilds the train function only if a dtype changed. Optimizer variables
@@ -135,6 +138,11 @@ class AdaptivePrecision(keras.callbacks.Callback):
     Args:
         interval: train-function calls between decisions, an int >= 1. Each
             decision reads a few small variables from the device once.
+        statistics_every: statistics are gathered on one train-function call
+            in this many (an int in ``[1, interval]``); the others run a
+            second compiled train function without the statistics kernel.
+            None: ``min(10, interval)``. 1 gathers them every step (the most responsive, and the
+            costliest: a pass over every gradient each step).
         loss_scale: the schedule used when the callback wraps the optimizer
             (anything :class:`keras_mp.LossScaleOptimizer` accepts as
             ``schedule``); None: ``"dynamic"`` when float16 is a candidate,
@@ -151,19 +159,28 @@ class AdaptivePrecision(keras.callbacks.Callback):
     Use in a custom training loop: call :meth:`set_model` once (it wraps
     ``model.optimizer``; use that optimizer's ``scale_loss`` and ``apply``),
     then :meth:`step_end` after each step; when it returns switches, trace the
-    train step again (e.g. build a new ``tf.function``).
+    train step again (e.g. build a new ``tf.function``). There statistics
+    are gathered on every step (``statistics_every`` applies to ``fit``).
     """
 
-    def __init__(self, interval: int = 100, *, loss_scale: Any = None,
-                 log_dir: str | None = None, verbose: int = 0):
+    def __init__(self, interval: int = 100, *, statistics_every: int | None = None,
+                 loss_scale: Any = None, log_dir: str | None = None, verbose: int = 0):
         super().__init__()
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"`interval` must be an int >= 1, got {interval!r}.")
+        if statistics_every is None:
+            statistics_every = min(10, interval)
+        if isinstance(statistics_every, bool) or not isinstance(statistics_every, int) \
+                or not 1 <= statistics_every <= interval:
+            raise ValueError("`statistics_every` must be an int in [1, interval] = "
+                             f"[1, {interval}], got {statistics_every!r}.")
         if log_dir is not None and not isinstance(log_dir, str):
             raise TypeError(f"`log_dir` must be a path string or None, got {log_dir!r}.")
         if verbose not in (0, 1):
             raise ValueError(f"`verbose` must be 0 or 1, got {verbose!r}.")
         self.interval = interval
+        self.statistics_every = statistics_every
+        self._functions: tuple | None = None
         self.loss_scale = loss_scale
         self.log_dir = log_dir
         self.verbose = verbose
@@ -198,6 +215,11 @@ class AdaptivePrecision(keras.callbacks.Callback):
         optimizer = self._wrap_optimizer(model)
         self._stats.scale_floor = _scale_floor(optimizer.schedule)
         optimizer.statistics_sink = self._stats.accumulate
+        if optimizer is not getattr(self, "_optimizer", None) or model.train_function is None:
+            # Recompiled, wrapped just now, or reset by the user: trace anew.
+            # Otherwise a later fit reuses the traces of the last one.
+            self._functions = None
+        self._optimizer = optimizer
         self._restored = False
 
     def _wrap_optimizer(self, model: keras.Model) -> LossScaleOptimizer:
@@ -254,11 +276,38 @@ class AdaptivePrecision(keras.callbacks.Callback):
             self._rebuild()
 
     def _rebuild(self) -> None:
+        self._functions = None  # both train functions are rebuilt at the next step
         model = self.model
         if getattr(model, "train_function", None) is not None:
             model.make_train_function(force=True)
         model.test_function = None
         model.predict_function = None
+
+    def _train_functions(self) -> tuple:
+        """(with statistics, without), each traced on its first call.
+
+        The optimizer reads ``statistics_sink`` when the step is traced, so
+        each wrapper sets it before calling: the first call traces with the
+        sink (or without), later calls reuse that trace.
+        """
+        if self._functions is None:
+            model, opt, sink = self.model, self._optimizer, self._stats.accumulate
+
+            def bind(fn, value):
+                def call(*args, **kwargs):
+                    opt.statistics_sink = value
+                    return fn(*args, **kwargs)
+                return call
+
+            model.make_train_function(force=True)
+            with_stats = bind(model.train_function, sink)
+            if self.statistics_every == 1:
+                without = with_stats
+            else:
+                model.make_train_function(force=True)
+                without = bind(model.train_function, None)
+            self._functions = (with_stats, without)
+        return self._functions
 
     # -- Keras hooks -------------------------------------------------------
 
@@ -272,6 +321,12 @@ class AdaptivePrecision(keras.callbacks.Callback):
             self._restored = True
         self._epoch_switches = 0
 
+    def on_train_batch_begin(self, batch, logs=None):
+        # Statistics cost a pass over every gradient; sampling them keeps a
+        # well-behaved run's step close to plain mixed precision.
+        sample = (self._calls + 1) % self.statistics_every == 0
+        self.model.train_function = self._train_functions()[0 if sample else 1]
+
     def on_train_batch_end(self, batch, logs=None):
         self.step_end()
 
@@ -283,6 +338,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
                 self._policy.dtype_of(p) == narrow for p in self._paths)
 
     def on_train_end(self, logs=None):
+        # Custom loops and later fits see the sink set, as after set_model.
+        self._optimizer.statistics_sink = self._stats.accumulate
         if self._writer is not None:
             self._writer.flush()
 

@@ -166,13 +166,23 @@ def test_rebuilds_train_function_only_when_a_dtype_changes_and_keeps_optimizer_s
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 4 calls: a decision
     assert [e["layer"] for e in cb.events] == [model.layers[1].path]
     assert model.layers[1].compute_dtype == "bfloat16"
-    fn = model.train_function
+    functions = cb._train_functions()
     moments = [v for v in model.optimizer.inner_optimizer.variables]
     iterations = int(model.optimizer.iterations)
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb])  # no switch now
-    assert model.train_function is fn
+    assert cb._train_functions() is functions  # not rebuilt
     assert int(model.optimizer.iterations) == iterations + 8
     assert all(a is b for a, b in zip(moments, model.optimizer.inner_optimizer.variables))
+
+
+def test_statistics_sampled_every_n_calls():
+    model = _small("adaptive_bfloat16")
+    cb = AdaptivePrecision(interval=100, statistics_every=3)
+    model.fit(*_xy(72), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 9 calls
+    assert cb._stats.read().steps == 3
+    assert model.optimizer.statistics_sink is not None  # left set after fit
+    with pytest.raises(ValueError, match=r"statistics_every.*\[1, 4\]"):
+        AdaptivePrecision(interval=4, statistics_every=5)
 
 
 def test_history_and_tensorboard_logging(tmp_path):
@@ -224,7 +234,7 @@ def test_custom_training_loop():
 def test_under_mirrored_strategy(two_replica_strategy):
     with two_replica_strategy.scope():
         model = _small("adaptive_bfloat16")
-    cb = AdaptivePrecision(interval=100)
+    cb = AdaptivePrecision(interval=100, statistics_every=1)
     model.fit(*_xy(32), batch_size=8, epochs=1, verbose=0, callbacks=[cb])
     interval = cb._stats.read()
     assert interval.steps == 4  # one accumulation per step, not per replica
