@@ -9,7 +9,7 @@ Example:
     >>> from benchmarks.common import time_steps, format_ratio_table
     >>> t = time_steps(lambda: time.sleep(0.001), steps=2, warmup=1, repeats=3)
     >>> sorted(t)
-    ['median', 'samples', 'spread']
+    ['median', 'min', 'samples', 'spread']
     >>> len(t["samples"])
     3
 """
@@ -64,8 +64,10 @@ def time_steps(fn: Callable[[], Any], steps: int = 10, warmup: int = 2,
         repeats: number of timed repeats (> 0).
 
     Returns:
-        ``{"median": s, "spread": s, "samples": [s, ...]}``, seconds per
-        call; ``spread`` is max minus min over the repeats.
+        ``{"median": s, "spread": s, "min": s, "samples": [s, ...]}``,
+        seconds per call; ``spread`` is max minus min over the repeats.
+        ``min`` (best of the repeats) is the figure least disturbed by other
+        processes on a shared machine.
 
     Example:
         >>> t = time_steps(lambda: sum(range(100)), steps=5, warmup=0, repeats=2)
@@ -93,6 +95,7 @@ def time_steps(fn: Callable[[], Any], steps: int = 10, warmup: int = 2,
     return {
         "median": statistics.median(samples),
         "spread": max(samples) - min(samples),
+        "min": min(samples),
         "samples": samples,
     }
 
@@ -130,7 +133,8 @@ def side_by_side(variants: Mapping[str, Callable[[], Any]], steps: int = 10,
             samples[name].extend(
                 time_steps(fn, steps=steps, warmup=0, repeats=1)["samples"])
     return {
-        name: {"median": statistics.median(s), "spread": max(s) - min(s), "samples": s}
+        name: {"median": statistics.median(s), "spread": max(s) - min(s), "min": min(s),
+               "samples": s}
         for name, s in samples.items()
     }
 
@@ -164,7 +168,7 @@ def format_ratio_table(rows: Sequence[Mapping[str, Any]], baseline: str | None =
     if base_name not in names:
         raise ValueError(f"`baseline` must be one of {names}, got {baseline!r}.")
     base = next(r for r in rows if r["name"] == base_name)["median"]
-    extra = [k for k in rows[0] if k not in ("name", "median", "spread", "samples")]
+    extra = [k for k in rows[0] if k not in ("name", "median", "spread", "min", "samples")]
     header = ["variant", "median ms", "spread ms", f"speed-up vs {base_name}", *extra]
     lines = ["| " + " | ".join(header) + " |",
              "| --- | ---: | ---: | ---: |" + " ---: |" * len(extra)]
@@ -186,8 +190,17 @@ def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, in MiB.
 
     It never goes down, so compare variants run in separate processes, or
-    read it before and after each one.
+    read it before and after each one. On Linux this is ``VmHWM``, which
+    starts afresh in an exec'ed subprocess; ``ru_maxrss`` would instead
+    inherit the parent's peak at fork.
     """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # reported in kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024

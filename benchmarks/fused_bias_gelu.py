@@ -71,10 +71,12 @@ def run(quick: bool = False) -> dict:
                            repeats=3 if quick else 7)
     rows = [{"name": n, **t} for n, t in timings.items()]
     speedup = timings["tf_graph_bf16"]["median"] / timings["fused_bf16"]["median"]
+    best = timings["tf_graph_bf16"]["min"] / timings["fused_bf16"]["min"]
     return {
         "shape": list(shape),
         "variants": timings,
         "speedup_fused_vs_tf_graph_bf16": speedup,
+        "best_speedup_fused_vs_tf_graph_bf16": best,
         "table": format_ratio_table(rows, baseline="tf_graph_bf16"),
     }
 
@@ -86,8 +88,8 @@ def main() -> None:
     result = run(quick=args.quick)
     print(f"bias+GELU fwd+bwd, shape {result['shape']}, bf16 unless noted")
     print(result["table"])
-    print(f"fused vs TF graph (bf16): {result['speedup_fused_vs_tf_graph_bf16']:.2f}x "
-          "(target >= 3x)")
+    print(f"fused vs TF graph (bf16): {result['speedup_fused_vs_tf_graph_bf16']:.2f}x median, "
+          f"{result['best_speedup_fused_vs_tf_graph_bf16']:.2f}x best-of (target >= 3x)")
     print(json.dumps({k: v for k, v in result.items() if k != "table"}, default=float))
 
 

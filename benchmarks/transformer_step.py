@@ -122,6 +122,7 @@ def run(quick: bool = False, memory: bool = True) -> dict:
         {name: (lambda m=m: m.train_on_batch(x, y)) for name, m in models.items()},
         steps=1 if quick else 2, warmup=2, repeats=3 if quick else 5)
     med = {name: t["median"] for name, t in timings.items()}
+    best = {name: t["min"] for name, t in timings.items()}
     mem = ({name: _memory_in_subprocess(name, batch) for name in VARIANTS}
            if memory else None)
     rows = []
@@ -137,6 +138,10 @@ def run(quick: bool = False, memory: bool = True) -> dict:
         "speedup_fused_vs_float32": med["keras_float32"] / med["fused_mixed_bfloat16"],
         "speedup_fused_vs_keras_bf16": med["keras_mixed_bfloat16"] / med["fused_mixed_bfloat16"],
         "speedup_keras_bf16_vs_float32": med["keras_float32"] / med["keras_mixed_bfloat16"],
+        # Best-of-repeats ratios: least disturbed by other processes.
+        "best_speedup_fused_vs_float32": best["keras_float32"] / best["fused_mixed_bfloat16"],
+        "best_speedup_fused_vs_keras_bf16":
+            best["keras_mixed_bfloat16"] / best["fused_mixed_bfloat16"],
         "memory": mem,
         "table": format_ratio_table(rows, baseline="keras_float32"),
     }
@@ -155,9 +160,10 @@ def main() -> None:
     result = run(quick=args.quick, memory=not args.no_memory)
     print(f"2-block Transformer training step, d={D}, T={T}, batch {result['batch']}")
     print(result["table"])
-    print(f"fused bf16 vs Keras float32: {result['speedup_fused_vs_float32']:.2f}x (target >= 3x)")
+    print(f"fused bf16 vs Keras float32: {result['speedup_fused_vs_float32']:.2f}x median, "
+          f"{result['best_speedup_fused_vs_float32']:.2f}x best-of (target >= 3x)")
     print(f"fused bf16 vs Keras mixed_bfloat16: {result['speedup_fused_vs_keras_bf16']:.2f}x "
-          "(target >= 1.5x)")
+          f"median, {result['best_speedup_fused_vs_keras_bf16']:.2f}x best-of (target >= 1.5x)")
     print(f"Keras mixed_bfloat16 vs float32: {result['speedup_keras_bf16_vs_float32']:.2f}x")
     print(json.dumps({k: v for k, v in result.items() if k != "table"}, default=float))
 

@@ -101,6 +101,8 @@ def _measure(d: int, quick: bool) -> dict:
         "variants": timings,
         "speedup_multi_vs_loop": timings["per_tensor_loop"]["median"]
         / timings["multi_tensor"]["median"],
+        "best_speedup_multi_vs_loop": timings["per_tensor_loop"]["min"]
+        / timings["multi_tensor"]["min"],
         "table": format_ratio_table(rows, baseline="per_tensor_loop"),
     }
 
@@ -125,8 +127,8 @@ def main() -> None:
         print(f"unscale + finite check, {width}: {r['n_tensors']} float32 tensors, "
               f"{r['n_values']} values")
         print(r["table"])
-        print(f"multi-tensor vs per-tensor loop: {r['speedup_multi_vs_loop']:.2f}x "
-              "(target >= 2x)\n")
+        print(f"multi-tensor vs per-tensor loop: {r['speedup_multi_vs_loop']:.2f}x median, "
+              f"{r['best_speedup_multi_vs_loop']:.2f}x best-of (target >= 2x)\n")
     print(json.dumps({w: {k: v for k, v in r.items() if k != "table"}
                       for w, r in result.items()}, default=float))
 
