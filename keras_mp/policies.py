@@ -16,7 +16,8 @@ restores all of it.
 Example:
     >>> import keras, keras_mp
     >>> keras_mp.set_global_policy("adaptive_bfloat16")
-    >>> layer = keras.layers.Dense(2)
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    >>> layer = model.layers[0]
     >>> layer.compute_dtype, layer.variable_dtype
     ('bfloat16', 'float32')
     >>> keras_mp.global_policy().assign(layer.path, "float32")

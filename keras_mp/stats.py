@@ -30,8 +30,8 @@ Example, as a custom loop would use it:
     >>> opt = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), schedule=1.0)
     >>> opt.statistics_sink = stats.accumulate
     >>> with tf.GradientTape() as tape:
-    ...     loss = tf.reduce_sum(model(tf.ones([4, 3])))
-    >>> grads = tape.gradient(opt.scale_loss(loss), model.trainable_variables)
+    ...     scaled = opt.scale_loss(tf.reduce_sum(model(tf.ones([4, 3]))))
+    >>> grads = tape.gradient(scaled, model.trainable_variables)
     >>> opt.apply(grads, model.trainable_variables)
     >>> interval = stats.read()
     >>> interval.steps, interval.layers[0].nonfinite
