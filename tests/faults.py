@@ -96,3 +96,21 @@ class Snapshots(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.take()
+
+
+def two_replica_mirrored_strategy() -> tf.distribute.MirroredStrategy:
+    """A MirroredStrategy over the two logical CPU devices whose collectives
+    cannot collide with those of strategies made before it in this process.
+
+    Every MirroredStrategy numbers its collective groups and instances from
+    the same start, and TensorFlow remembers each (group, instance) it has run
+    for the life of the process: a later strategy whose n-th collective is of
+    another kind (an all-gather where an earlier one had an all-reduce) fails
+    with "Collective instance ... expected type 0 ... but got type 2". The
+    class attribute that offsets the numbering is TensorFlow's own, "only set
+    in tests".
+    """
+    tf.distribute.MirroredStrategy._collective_key_base += 10_000
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    assert len(devices) == 2, devices
+    return tf.distribute.MirroredStrategy(devices)

@@ -15,14 +15,21 @@ import pytest
 import tensorflow as tf
 
 from keras_mp import DynamicLossScale, LossScaleOptimizer
-from tests.faults import Snapshots, fault_data, fault_model, local_values
+from tests.faults import Snapshots, fault_data, fault_model, local_values, \
+    two_replica_mirrored_strategy
+
+
+@pytest.fixture
+def mirrored():
+    return two_replica_mirrored_strategy()
+
 
 BATCH = 16  # global; two replicas get 8 rows each
 STRATEGIES = ["one_device", "one_replica_of_two"]
 
 
-def _strategy(kind, two_replica_strategy):
-    return two_replica_strategy if kind == "one_replica_of_two" else tf.distribute.get_strategy()
+def _strategy(kind, mirrored):
+    return mirrored if kind == "one_replica_of_two" else tf.distribute.get_strategy()
 
 
 def _rows(kind, rng):
@@ -60,13 +67,13 @@ def _assert_replicas_agree(snapshot):
 
 @pytest.mark.parametrize("kind", STRATEGIES)
 def test_skips_at_random_steps_are_as_if_the_batches_were_never_there(
-        kind, two_replica_strategy):
+        kind, mirrored):
     steps = 10
     rng = np.random.default_rng(7)
     bad_steps = sorted(int(s) for s in rng.choice(steps, size=4, replace=False))
     x, flag, y = fault_data(steps, BATCH, {s: _rows(kind, rng) for s in bad_steps})
 
-    model, opt = _build(_strategy(kind, two_replica_strategy),
+    model, opt = _build(_strategy(kind, mirrored),
                         DynamicLossScale(initial_scale=2.0**12, growth_interval=3))
     snaps = Snapshots(lambda: _training_state(model, opt))
     _fit(model, x, flag, y, [snaps])
@@ -98,7 +105,7 @@ def test_skips_at_random_steps_are_as_if_the_batches_were_never_there(
 
 
 @pytest.mark.parametrize("kind", STRATEGIES)
-def test_many_skips_in_a_row_then_recovery(kind, two_replica_strategy):
+def test_many_skips_in_a_row_then_recovery(kind, mirrored):
     good_before, bad_run, good_after = 3, 12, 12
     steps = good_before + bad_run + good_after
     rng = np.random.default_rng(1)
@@ -106,7 +113,7 @@ def test_many_skips_in_a_row_then_recovery(kind, two_replica_strategy):
     x, flag, y = fault_data(steps, BATCH, {s: _rows(kind, rng) for s in bad_steps})
     schedule = DynamicLossScale(initial_scale=2.0**8, growth_interval=2, hysteresis=2,
                                 min_scale=2.0)
-    model, opt = _build(_strategy(kind, two_replica_strategy), schedule)
+    model, opt = _build(_strategy(kind, mirrored), schedule)
     snaps = Snapshots(lambda: [*_training_state(model, opt), opt.loss_scale_state["loss_scale"],
                                opt.consecutive_skips])
     history = model.fit([x, flag], y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
@@ -159,11 +166,11 @@ def _loss_with(model, values, x, flag, y):
 
 @pytest.mark.parametrize("kind", STRATEGIES)
 def test_max_consecutive_skips_stops_a_hopeless_run_naming_the_variables(
-        kind, two_replica_strategy):
+        kind, mirrored):
     steps, limit = 8, 3
     rng = np.random.default_rng(2)
     x, flag, y = fault_data(steps, BATCH, {s: _rows(kind, rng) for s in range(steps)})
-    model, opt = _build(_strategy(kind, two_replica_strategy),
+    model, opt = _build(_strategy(kind, mirrored),
                         DynamicLossScale(initial_scale=2.0**4), max_consecutive_skips=limit)
     snaps = Snapshots(lambda: _training_state(model, opt))
     with pytest.raises(tf.errors.InvalidArgumentError,
@@ -181,12 +188,12 @@ def test_max_consecutive_skips_stops_a_hopeless_run_naming_the_variables(
 
 @pytest.mark.parametrize("value", [np.inf, np.nan], ids=["inf", "nan"])
 def test_sparse_gradient_fault_on_one_replica_is_skipped_everywhere(value,
-                                                                    two_replica_strategy):
+                                                                    mirrored):
     """Embedding gradients are IndexedSlices, checked outside the dense kernel."""
     keras.utils.set_random_seed(0)
     from tests.faults import GradientFault
 
-    with two_replica_strategy.scope():
+    with mirrored.scope():
         ids = keras.Input((3,), dtype="int32")
         flag = keras.Input((1,))
         h = keras.layers.Embedding(10, 4, name="embed")(ids)

@@ -1,0 +1,157 @@
+"""keras-mp under tf.distribute in one process: fused layers and the adaptive
+policy on two replicas (two logical CPU devices, see conftest.py) against one
+device, every replica holding the same state, and the strategy check.
+
+The two-worker counterparts are in test_multi_worker.py.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_mp
+from keras_mp import DynamicLossScale, LossScaleOptimizer, distribute, loss_scale, policies
+from keras_mp.callbacks import AdaptivePrecision
+from keras_mp.report import precision_report
+from tests.faults import local_values, two_replica_mirrored_strategy
+
+
+@pytest.fixture
+def mirrored():
+    return two_replica_mirrored_strategy()
+
+
+BATCH = 16  # global; 8 rows per replica
+
+
+def _assert_replicas_agree(variables):
+    for v in variables:
+        values = local_values(v)
+        for replica in values[1:]:
+            np.testing.assert_array_equal(replica, values[0], err_msg=v.path)
+
+
+def _central_storage():
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    return tf.distribute.experimental.CentralStorageStrategy(devices)
+
+
+# -- fused layers --------------------------------------------------------------
+
+def _fused_model():
+    model = keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(16, activation="gelu"),
+        keras.layers.LayerNormalization(), keras.layers.Dense(8, activation="silu"),
+        keras.layers.Dense(1)])
+    fused = keras_mp.fuse(model)
+    assert all(type(layer).__module__ == "keras_mp.layers" for layer in fused.layers)
+    return fused
+
+
+def _fused_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * BATCH, 6)).astype("float32")
+    y = np.tanh(x[:, :1] - x[:, 1:2]).astype("float32")
+    x[BATCH + 12, 2] = np.inf  # step 1, replica 1 only
+    return x, y
+
+
+def _train_fused(strategy, policy):
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_global_policy(policy)
+    with strategy.scope():
+        model = _fused_model()
+        opt = LossScaleOptimizer(keras.optimizers.Adam(1e-2), schedule=DynamicLossScale(
+            initial_scale=2.0**10, growth_interval=2))
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    model.fit(*_fused_data(), batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return model, opt
+
+
+@pytest.mark.parametrize("strategy,policy,tol", [
+    ("mirrored", "mixed_float16", 2e-2),  # float16 sums over 8 rows, not 16
+    ("central_storage", "float32", 1e-5),
+])
+def test_fused_layers_match_single_device(strategy, policy, tol, mirrored):
+    dist = mirrored if strategy == "mirrored" else _central_storage()
+    single, single_opt = _train_fused(tf.distribute.get_strategy(), policy)
+    model, opt = _train_fused(dist, policy)
+    for name in ("skipped_steps", "iterations"):
+        assert int(getattr(opt, name).numpy()) == int(getattr(single_opt, name).numpy())
+    assert int(opt.skipped_steps.numpy()) == 2  # the NaN batch, once per epoch
+    assert float(opt.loss_scale) == float(single_opt.loss_scale)
+    for a, b in zip(model.weights, single.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=tol, atol=tol, err_msg=a.path)
+    if strategy == "mirrored":
+        _assert_replicas_agree(model.weights + opt.variables)
+
+
+# -- the adaptive policy ---------------------------------------------------------
+
+def _adaptive_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * BATCH, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    # Beyond float16 in replica 1's half of every batch only.
+    x[BATCH - 1::BATCH, 0] = 7e4
+    return x, y
+
+
+def _train_adaptive(strategy):
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    policies.set_global_policy("adaptive_float16")
+    small = keras.initializers.RandomUniform(-0.05, 0.05, seed=1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(8, kernel_initializer=small),
+                                  keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=False)
+    cb = AdaptivePrecision(interval=2, loss_scale=loss_scale.DynamicLossScale(initial_scale=2.0))
+    model.fit(*_adaptive_data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[cb])
+    return model, cb
+
+
+def test_adaptive_policy_decides_as_on_one_device(mirrored):
+    single, single_cb = _train_adaptive(tf.distribute.get_strategy())
+    model, cb = _train_adaptive(mirrored)
+    # Only replica 1 overflowed: the all-gathered statistics still promote.
+    assert cb.events, "no precision decision was made"
+    assert cb.events == single_cb.events
+    assert precision_report(model).rows[0]["compute_dtype"] == "float32"
+    assert [r["state"] for r in precision_report(model).rows] == \
+        [r["state"] for r in precision_report(single).rows]
+    for a, b in zip(model.weights, single.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-2, atol=2e-2, err_msg=a.path)
+    # Statistics, controller state and loss-scale state: one value on every replica.
+    _assert_replicas_agree(cb._stats.weights + cb._state.weights + model.optimizer.variables
+                           + model.weights)
+    ours, ref = cb._stats.read(), single_cb._stats.read()
+    assert ours.steps == ref.steps and ours.all_nonfinite == ref.all_nonfinite
+    for a, b in zip(ours.layers, ref.layers):
+        assert a.nonfinite == b.nonfinite
+        np.testing.assert_allclose(a.amax, b.amax, rtol=2e-2)
+
+
+# -- which strategies --------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda two: None,
+    lambda two: tf.distribute.OneDeviceStrategy("/cpu:0"),
+    lambda two: two,
+    lambda two: _central_storage(),
+], ids=["default", "one_device", "mirrored", "central_storage"])
+def test_supported_strategies_pass_the_check(make, mirrored):
+    strategy = make(mirrored) or tf.distribute.get_strategy()
+    distribute.check_strategy(strategy)
+    with strategy.scope():
+        opt = LossScaleOptimizer(keras.optimizers.SGD())
+        opt.build([keras.Variable([1.0])])
+    assert opt.built
+
+
+def test_check_strategy_rejects_a_non_strategy():
+    with pytest.raises(TypeError, match="`strategy` must be a tf.distribute.Strategy"):
+        distribute.check_strategy("mirrored")
