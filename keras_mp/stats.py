@@ -6,7 +6,7 @@ same fused kernel that unscales and checks the gradients
 ``statistics_sink``. :meth:`LayerStatistics.accumulate` is that sink: it
 attributes each gradient to the layer that owns the variable (by the
 variable's path), reduces the interval's statistics per layer, agrees on them
-across replicas under ``tf.distribute`` and adds them to variables, all
+across replicas under ``tf.distribute`` (one all-reduce) and adds them to variables, all
 inside the compiled train step. Nothing is read back to the host until
 :meth:`LayerStatistics.read`, once per interval.
 
@@ -112,7 +112,7 @@ class LayerStatistics(keras.layers.Layer):
             for v in layer._trainable_variables:
                 self._owner[variable_path(v)] = i
         n = len(layers)
-        # Replicas hold identical values after the all-gather in `accumulate`,
+        # Replicas hold identical values after the all-reduce in `accumulate`,
         # so any replica's update is the update.
         kw = dict(trainable=False, aggregation="only_first_replica")
         self.fraction_sums = self.add_weight(shape=(len(FRACTIONS), n), initializer="zeros",
@@ -128,7 +128,7 @@ class LayerStatistics(keras.layers.Layer):
         """The optimizer's ``statistics_sink``: adds one step's statistics.
 
         Runs in replica context inside the train step; reduces across
-        replicas with one all-gather.
+        replicas with one all-reduce.
 
         Args:
             stats: per-gradient statistics, each field of shape ``[len(variables)]``.
@@ -157,9 +157,13 @@ class LayerStatistics(keras.layers.Layer):
 
         ctx = tf.distribute.get_replica_context()
         if tf.distribute.has_strategy() and ctx is not None and ctx.num_replicas_in_sync > 1:
-            # One collective for everything: gather, then mean/max per field.
+            # One collective for everything: each replica writes its row of a
+            # [replicas, k] matrix and a sum gathers them (then mean/max per
+            # field): a gather built from the all-reduce every strategy has.
             row = tf.concat([tf.reshape(fr, [-1]), bad, amax, everywhere[None], scale], 0)
-            rows = ctx.all_gather(row[None], axis=0)
+            rid = tf.reshape(tf.cast(ctx.replica_id_in_sync_group, tf.int32), [1, 1])
+            rows = tf.scatter_nd(rid, row[None], [ctx.num_replicas_in_sync, row.shape[0]])
+            rows = ctx.all_reduce(tf.distribute.ReduceOp.SUM, rows)
             k = len(FRACTIONS) * n
             fr = tf.reshape(tf.reduce_mean(rows[:, :k], 0), [len(FRACTIONS), n])
             bad = tf.reduce_max(rows[:, k:k + n], 0)

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
+from tests.faults import two_replica_mirrored_strategy
 from keras_mp import callbacks, loss_scale, policies
 from keras_mp.callbacks import AdaptivePrecision
 from keras_mp.report import precision_report
@@ -231,8 +232,8 @@ def test_custom_training_loop():
     assert cb._stats.read().steps == 0  # the last decision consumed the interval
 
 
-def test_under_mirrored_strategy(two_replica_strategy):
-    with two_replica_strategy.scope():
+def test_under_mirrored_strategy():
+    with two_replica_mirrored_strategy().scope():
         model = _small("adaptive_bfloat16")
     cb = AdaptivePrecision(interval=100, statistics_every=1)
     model.fit(*_xy(32), batch_size=8, epochs=1, verbose=0, callbacks=[cb])

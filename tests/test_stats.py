@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
+from tests.faults import two_replica_mirrored_strategy
 from keras_mp.kernels import STATISTICS, GradientStatistics
 from keras_mp.stats import LayerStatistics, variable_path
 
@@ -77,8 +78,8 @@ def test_unowned_variables_are_ignored():
         LayerStatistics([])
 
 
-def test_reduced_across_replicas(two_replica_strategy):
-    strategy = two_replica_strategy
+def test_reduced_across_replicas():
+    strategy = two_replica_mirrored_strategy()
     with strategy.scope():
         model, tvars = _model()
         acc = LayerStatistics(model.layers)
