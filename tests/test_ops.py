@@ -403,8 +403,11 @@ def test_multi_head_attention_without_biases_and_bad_weights():
 def test_matmul_kernels_compile_to_plain_hlo():
     x = tf.ones([2, 3, 8], tf.bfloat16)
     w = [tf.cast(t, tf.bfloat16) for t in _mha_weights()]
-    irs = [kops._dense_xla.compiled.experimental_get_compiler_ir(  # noqa: SLF001
+    irs = [kops._dense_fwd.compiled.experimental_get_compiler_ir(  # noqa: SLF001
                x, tf.ones([8, 4], tf.bfloat16), tf.ones([4]), "gelu"),
+           kops._dense_bwd.compiled.experimental_get_compiler_ir(  # noqa: SLF001
+               tf.ones([2, 3, 4], tf.bfloat16), x, tf.ones([8, 4], tf.bfloat16),
+               tf.ones([2, 3, 4], tf.bfloat16), True, "gelu"),
            kops._attention_xla.compiled.experimental_get_compiler_ir(  # noqa: SLF001
                x, x, x, tuple(w), 0.5)]
     for ir in irs:
@@ -429,7 +432,8 @@ def test_dense_in_xla_differentiates_inside_xla():
                                            tf.TensorSpec([3], tf.float32)).graph
         calls = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
         assert {op.type for op in graph.get_operations()} <= {
-            "Placeholder", "Identity", "Const", "PartitionedCall", "StatefulPartitionedCall"}
+            "Placeholder", "Identity", "IdentityN", "Const", "PartitionedCall",
+            "StatefulPartitionedCall"}
         assert len(calls) == 2
         for call in calls:
             fdef = graph._get_function(call.get_attr("f").name).cached_definition  # noqa: SLF001
