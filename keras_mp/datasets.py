@@ -21,7 +21,9 @@ GCS mirror) unless ``download=True``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 from importlib import resources
 from typing import Any
@@ -144,12 +146,15 @@ def _builder_class():
 KerasMpDigits: Any = None
 
 
-def prepare_digits(data_dir: str | os.PathLike | None = None):
+def prepare_digits(data_dir: str | os.PathLike | None = None, *, verbose: bool = False):
     """Writes the embedded digits as a TFDS data set under ``data_dir``
     (once; later calls reuse it) and returns the builder.
 
     Args:
         data_dir: the TFDS data directory; :func:`default_data_dir` when None.
+        verbose: show TFDS's messages and progress bars while it writes
+            (it announces "Downloading and preparing", though nothing is
+            downloaded).
 
     Returns:
         The ``tfds.core.DatasetBuilder``, prepared.
@@ -166,12 +171,25 @@ def prepare_digits(data_dir: str | os.PathLike | None = None):
     if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
         raise TypeError(f"`data_dir` must be a path or None, got {data_dir!r}.")
     data_dir = os.fspath(data_dir) if data_dir is not None else default_data_dir()
+    if not isinstance(verbose, bool):
+        raise TypeError(f"`verbose` must be True or False, got {verbose!r}.")
     builder = _builder_class()(data_dir=data_dir)
-    # try_download_gcs=False: TFDS would otherwise ask its GCS bucket for a
-    # prepared copy first (a network call, and a hang when offline).
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-        try_download_gcs=False))
+    quiet = contextlib.nullcontext() if verbose else _captured_output()
+    with quiet:
+        # try_download_gcs=False: TFDS would otherwise ask its GCS bucket for
+        # a prepared copy first (a network call, and a hang when offline).
+        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+            try_download_gcs=False))
     return builder
+
+
+@contextlib.contextmanager
+def _captured_output():
+    """Swallows Python-level stdout/stderr (TFDS's prints and tqdm bars);
+    exceptions still propagate."""
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        yield
 
 
 @dataclasses.dataclass

@@ -101,3 +101,14 @@ def test_load_rejects_bad_download_and_data_dir(tmp_path):
         datasets.load(data_dir=tmp_path, download="yes")
     with pytest.raises(TypeError, match="`data_dir`"):
         datasets.load(data_dir=3)
+
+
+def test_prepare_is_quiet_unless_verbose(tmp_path, capsys):
+    datasets.prepare_digits(tmp_path / "quiet")
+    out, err = capsys.readouterr()
+    assert "Downloading" not in out + err  # nothing is downloaded; TFDS says so anyway
+    datasets.prepare_digits(tmp_path / "loud", verbose=True)
+    out, _ = capsys.readouterr()
+    assert "keras_mp_digits" in out
+    with pytest.raises(TypeError, match="`verbose`"):
+        datasets.prepare_digits(tmp_path, verbose=1)
