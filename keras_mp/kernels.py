@@ -28,6 +28,7 @@ Statistics, per gradient tensor (fractions are of the tensor's elements):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -69,7 +70,19 @@ class GradientStatistics(NamedTuple):
 STATISTICS: tuple[str, ...] = GradientStatistics._fields
 
 
+def _grad_list(grads) -> list:
+    # A single tensor is iterable too: it would be unscaled row by row.
+    if isinstance(grads, (tf.Tensor, tf.Variable, tf.IndexedSlices, keras.Variable)) \
+            or not isinstance(grads, Sequence) and not hasattr(grads, "__iter__"):
+        raise TypeError("`grads` must be a list of gradients (tensors, tf.IndexedSlices "
+                        f"or None), got {type(grads).__name__}.")
+    return list(grads)
+
+
 def _scale_tensor(scale) -> tf.Tensor:
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and \
+            not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"`scale` must be a finite number > 0, got {scale!r}.")
     # A variable passed to a tf.function is captured by reference; pass its
     # value so that traces never outlive the optimizer that owns it.
     if isinstance(scale, keras.Variable):
@@ -192,7 +205,7 @@ def unscale_and_check(grads: Sequence, scale, *, return_mask: bool = False):
         >>> g[0].numpy().tolist(), g[1], bool(ok)
         ([1.0, 2.0], None, True)
     """
-    grads = list(grads)
+    grads = _grad_list(grads)
     scale = _scale_tensor(scale)
     dense_idx, dense = _dense(grads)
     dense_out, dense_nonfinite = _unscale_check_kernel(dense, scale) if dense else ([], None)
@@ -236,7 +249,7 @@ def gradient_statistics(grads: Sequence, scale) -> GradientStatistics:
         >>> float(s.nonfinite[0]), float(s.fp16_underflow[0]), float(s.zero[0])
         (0.25, 0.25, 0.25)
     """
-    grads = list(grads)
+    grads = _grad_list(grads)
     scale = _scale_tensor(scale)
     dense_idx, dense = _dense(grads)
     if not dense:
@@ -252,7 +265,7 @@ def unscale_with_statistics(grads: Sequence, scale):
         finite flag. Non-finite ``tf.IndexedSlices`` gradients are counted in
         ``statistics.nonfinite`` as a fraction of 1.
     """
-    grads = list(grads)
+    grads = _grad_list(grads)
     scale = _scale_tensor(scale)
     dense_idx, dense = _dense(grads)
     if dense:
