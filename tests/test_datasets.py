@@ -2,10 +2,9 @@
 
 import numpy as np
 import pytest
+import tensorflow_datasets as tfds
 
 from keras_mp import datasets
-
-tfds = pytest.importorskip("tensorflow_datasets")
 
 
 @pytest.fixture(scope="module")

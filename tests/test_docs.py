@@ -8,11 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mkdocs  # noqa: F401  (these three are test extras: CI builds the site)
+import mkdocs_jupyter  # noqa: F401
+import mkdocstrings_handlers.python  # noqa: F401
 import pytest
-
-pytest.importorskip("mkdocs")
-pytest.importorskip("mkdocstrings_handlers.python")
-pytest.importorskip("mkdocs_jupyter")
 
 ROOT = Path(__file__).resolve().parents[1]
 

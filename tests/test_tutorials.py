@@ -12,11 +12,10 @@ import re
 import sys
 from pathlib import Path
 
+import ipykernel  # noqa: F401  (the kernel the notebooks run in; a test extra)
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
