@@ -24,7 +24,8 @@ KERNEL = "keras-mp-tests"
 # What each notebook must print when it worked, beyond running without error.
 EXPECTED = {
     "01_quickstart.ipynb": [r"keras_mp_digits \(8, 8, 1\) 10 classes", r"policy: adaptive,",
-                            r"candidates: float16, float32", r"image/png"],
+                            r"candidates: float16, float32",
+                            r"float16->float32@\d+ \(fp16_subnormal\)", r"image/png"],
     "02_loss_scale_schedules.ipynb": [r"too high, halve \(2\^24\)\s+skipped\s+[1-9]",
                                       r"best schedule: DynamicLossScale\(", r"image/png"],
     "03_fused_kernels_and_xla.ipynb": [r"keras_mp\.layers\.Dense",
