@@ -35,10 +35,12 @@ def _clean_keras_state():
 
 @pytest.fixture
 def two_replica_strategy():
-    """A MirroredStrategy over the two logical CPU devices."""
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
-    assert len(devices) == 2, devices
-    return tf.distribute.MirroredStrategy(devices)
+    """A MirroredStrategy over the two logical CPU devices, whose collectives
+    cannot collide with those of earlier strategies in this process (see
+    tests/faults.py)."""
+    from tests.faults import two_replica_mirrored_strategy
+
+    return two_replica_mirrored_strategy()
 
 
 def tiny_regression_data(n: int = 64, features: int = 4, seed: int = 0):
