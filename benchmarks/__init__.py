@@ -9,4 +9,5 @@ SCENARIOS: tuple[str, ...] = (
     "fused_bias_gelu",
     "unscale_multi_tensor",
     "transformer_step",
+    "matmul_placement",
 )

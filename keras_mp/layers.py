@@ -6,7 +6,8 @@ it and back) and respects the layer's dtype policy the same way (weights in
 the variable dtype, float32; computation and output in the compute dtype).
 Only :meth:`call` differs, and only for the options that are fused; any
 other option (an activation without a fused kernel, normalization over
-another axis, LoRA, quantization) runs Keras's own code.
+another axis, LoRA, quantization, a masked attention call) runs Keras's own
+code.
 
 Example:
     >>> import keras
@@ -27,6 +28,7 @@ import keras
 from keras import ops
 
 from keras_mp import ops as kops
+from keras_mp import xla
 
 __all__ = ["Dense", "LayerNormalization", "MultiHeadAttention", "RMSNormalization", "Softmax",
            "FUSED_LAYERS"]
@@ -206,8 +208,6 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
     def _fusable(self, query, value, key, masks, return_attention_scores, training,
                  use_causal_mask) -> bool:
-        from keras_mp import xla
-
         inputs = [t for t in (query, value, key) if t is not None]
         return (xla.uses_xla("matmul")
                 and all(m is None for m in masks)
