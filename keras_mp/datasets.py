@@ -64,12 +64,18 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
     if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) \
             or not 0.0 < test_fraction < 1.0:
         raise ValueError(f"`test_fraction` must be in (0, 1), got {test_fraction!r}.")
+    _check_seed(seed)
     images, labels = _digits_arrays()
     order = np.random.default_rng(seed).permutation(len(labels))
     x = (images[order].astype("float32") / 16.0)[..., None]
     y = labels[order].astype("int32")
     n_test = int(round(len(y) * test_fraction))
     return (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test])
+
+
+def _check_seed(seed: Any) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise TypeError(f"`seed` must be an int >= 0, got {seed!r}.")
 
 
 def default_data_dir() -> str | None:
@@ -272,6 +278,7 @@ def load(name: str | None = None, *, data_dir: str | os.PathLike | None = None,
     _check_count("max_test", max_test)
     if not isinstance(download, bool):
         raise TypeError(f"`download` must be True or False, got {download!r}.")
+    _check_seed(seed)
     if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
         raise TypeError(f"`data_dir` must be a path or None, got {data_dir!r}.")
 

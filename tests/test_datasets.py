@@ -23,9 +23,12 @@ def test_load_digits_shapes_and_split():
     assert set(np.unique(np.concatenate([y, yt]))) == set(range(10))
 
 
-def test_load_digits_rejects_bad_fraction():
+def test_load_digits_rejects_bad_fraction_and_seed():
     with pytest.raises(ValueError, match="test_fraction"):
         datasets.load_digits(test_fraction=1.5)
+    for seed in ("zero", -1, True):
+        with pytest.raises(TypeError, match="`seed`"):
+            datasets.load_digits(seed=seed)
 
 
 def test_prepared_data_set_is_on_disk_in_tfds_format(data_dir):
@@ -100,6 +103,8 @@ def test_load_rejects_bad_download_and_data_dir(tmp_path):
         datasets.load(data_dir=tmp_path, download="yes")
     with pytest.raises(TypeError, match="`data_dir`"):
         datasets.load(data_dir=3)
+    with pytest.raises(TypeError, match="`seed`"):
+        datasets.load(data_dir=tmp_path, seed=1.5)
 
 
 def test_prepare_is_quiet_unless_verbose(tmp_path, capsys):

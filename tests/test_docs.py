@@ -51,6 +51,8 @@ def site(tmp_path_factory):
         cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "WARNING" not in proc.stderr, proc.stderr
+    # every page in docs/ is reachable from the navigation
+    assert "not included in the \"nav\"" not in proc.stderr, proc.stderr
     return out
 
 
@@ -59,6 +61,7 @@ def test_site_has_every_section(site):
                  "concepts/loss_scaling/index.html", "concepts/fused_kernels/index.html",
                  "concepts/tuning/index.html", "concepts/datasets/index.html",
                  "adaptive/index.html", "distributed/index.html", "benchmarks/index.html",
+                 "fused_kernels/index.html", "recovering/index.html",
                  "api/tuning/index.html", "api/loss_scaling/index.html"]:
         assert (site / page).is_file(), page
     assert (site / "assets" / "bench" / "bench.png").stat().st_size > 1000
