@@ -28,9 +28,9 @@ What the callback does, and when:
 Persistence: the per-layer dtypes and controller state live in the policy
 (which Keras writes into every layer's config in a ``.keras`` file) and in
 variables of a small state object attached to the model (which
-``save_weights``, ``ModelCheckpoint`` and ``BackupAndRestore`` save and
-load). When ``fit`` starts, those variables win if they differ from the
-policy: they were just restored from a backup.
+``save_weights``, ``ModelCheckpoint``, ``BackupAndRestore`` and
+``tf.train.Checkpoint(model=...)`` save and load). When ``fit`` starts, those
+variables win if they differ from the policy: they were just restored.
 
 Example:
     >>> import keras, numpy as np, keras_mp
@@ -89,6 +89,7 @@ class _PrecisionState(keras.layers.Layer):
                                      name="table", **kw)
         self.calls = self.add_weight(shape=(), dtype="int64", name="calls", **kw)
         self.built = True
+        self._last: tuple | None = None  # what was last written or read, on the host
 
     def write(self, states: list[controller.LayerState], candidates: tuple[str, ...],
               calls: int) -> None:
@@ -96,6 +97,13 @@ class _PrecisionState(keras.layers.Layer):
         rows += [[getattr(s, f) for s in states] for f in _STATE_FIELDS[1:]]
         self.table.assign(np.asarray(rows, np.int32))
         self.calls.assign(calls)
+        self._last = (list(states), calls)
+
+    def restored(self, candidates: tuple[str, ...]) -> bool:
+        """Whether the variables changed since this process last wrote or read
+        them: a checkpoint was loaded into them."""
+        last = self._last  # read() replaces it
+        return last is None or self.read(candidates) != last
 
     def read(self, candidates: tuple[str, ...]) -> tuple[list[controller.LayerState], int]:
         table = np.asarray(keras.ops.convert_to_numpy(self.table))
@@ -103,7 +111,9 @@ class _PrecisionState(keras.layers.Layer):
             candidates[min(int(table[0, i]), len(candidates) - 1)],
             *(int(table[j, i]) for j in range(1, len(_STATE_FIELDS))))
             for i in range(len(self.paths))]
-        return states, int(keras.ops.convert_to_numpy(self.calls))
+        calls = int(keras.ops.convert_to_numpy(self.calls))
+        self._last = (states, calls)
+        return states, calls
 
     def call(self, inputs):  # pragma: no cover - never called on data
         raise TypeError("_PrecisionState holds state; it is not called on data.")
@@ -119,16 +129,21 @@ def _scale_floor(schedule: loss_scale.LossScaleSchedule) -> float | None:
 
 
 def _attached(model: keras.Model, attr: str, cls, paths: tuple[str, ...], make):
+    """``(object, created)``: the ``cls`` attached to ``model`` as ``attr``
+    for these layer paths, attaching a new one if there is none."""
     obj = getattr(model, attr, None)
     if isinstance(obj, cls) and obj.paths == paths:
-        return obj
+        return obj, False
     with model.distribute_strategy.scope():
         obj = make()
     # Bypasses Keras's tracking on purpose: tracked, it would become one of
     # model.layers and change model.weights. Keras's saving walks plain
-    # attributes, so .keras/.weights.h5 files still carry its variables.
+    # attributes, so .keras/.weights.h5 files still carry its variables;
+    # TensorFlow's own dependency (what Keras's tracking would also have
+    # added) makes tf.train.Checkpoint(model=...) carry them too.
     object.__setattr__(model, attr, obj)
-    return obj
+    model._track_trackable(obj, name=attr, overwrite=True)
+    return obj, True
 
 
 class AdaptivePrecision(keras.callbacks.Callback):
@@ -141,7 +156,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
         statistics_every: statistics are gathered on one train-function call
             in this many (an int in ``[1, interval]``); the others run a
             second compiled train function without the statistics kernel.
-            None: ``min(10, interval)``. 1 gathers them every step (the most responsive, and the
+            None: ``min(10, max(1, interval // 10))``, about ten samples per
+            decision (every step for intervals below 20). 1 gathers them every step (the most responsive, and the
             costliest: a pass over every gradient each step).
         loss_scale: the schedule used when the callback wraps the optimizer
             (anything :class:`keras_mp.LossScaleOptimizer` accepts as
@@ -169,7 +185,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"`interval` must be an int >= 1, got {interval!r}.")
         if statistics_every is None:
-            statistics_every = min(10, interval)
+            # About ten samples per decision, and never fewer than one step
+            # in ten: short intervals sample every step.
+            statistics_every = min(10, max(1, interval // 10))
         if isinstance(statistics_every, bool) or not isinstance(statistics_every, int) \
                 or not 1 <= statistics_every <= interval:
             raise ValueError("`statistics_every` must be an int in [1, interval] = "
@@ -207,11 +225,14 @@ class AdaptivePrecision(keras.callbacks.Callback):
                              "the model's AdaptivePolicy.")
         self._policy = policy
         self._paths = tuple(layer.path for layer in layers)
-        self._stats = _attached(model, _STATS_ATTR, LayerStatistics, self._paths,
-                                lambda: LayerStatistics(layers))
-        self._state = _attached(model, _STATE_ATTR, _PrecisionState, self._paths,
-                                lambda: _PrecisionState(self._paths))
-        self._state.write(self._states(), policy.candidates, self._calls)
+        self._stats, _ = _attached(model, _STATS_ATTR, LayerStatistics, self._paths,
+                                   lambda: LayerStatistics(layers))
+        self._state, created = _attached(model, _STATE_ATTR, _PrecisionState, self._paths,
+                                         lambda: _PrecisionState(self._paths))
+        if created or not self._state.restored(policy.candidates):
+            # Otherwise a checkpoint was just loaded into the variables: keep
+            # them for on_epoch_begin to adopt.
+            self._state.write(self._states(), policy.candidates, self._calls)
         optimizer = self._wrap_optimizer(model)
         self._stats.scale_floor = _scale_floor(optimizer.schedule)
         optimizer.statistics_sink = self._stats.accumulate

@@ -324,3 +324,28 @@ def test_errors():
     with pytest.raises(ValueError, match="set_model"):
         AdaptivePrecision().step_end()
     assert callbacks.AdaptivePrecision is AdaptivePrecision
+
+
+def test_tf_checkpoint_carries_precisions_and_state_is_not_a_layer(tmp_path):
+    x, y = _overflowing()
+    model = _small("adaptive_float16")
+    n_layers, n_weights = len(model.layers), len(model.weights)
+    cb = AdaptivePrecision(interval=2, loss_scale=_small_scale())
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+    assert model.layers[0].compute_dtype == "float32", cb.events
+    # Attached for saving, but not one of the model's layers or weights.
+    assert (len(model.layers), len(model.weights)) == (n_layers, n_weights)
+    states = [r["state"] for r in precision_report(model).rows]
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+
+    keras.utils.clear_session()
+    fresh = _small("adaptive_float16")
+    cb2 = AdaptivePrecision(interval=1000)
+    cb2.set_model(fresh)  # attaches the state (as fit would) so the restore has a target
+    status = tf.train.Checkpoint(model=fresh).restore(path)
+    status.assert_existing_objects_matched()
+    assert fresh.layers[0].compute_dtype == "float16"  # adopted when fit starts
+    fresh.fit(*_xy(16), batch_size=8, epochs=1, verbose=0, callbacks=[cb2])
+    assert fresh.layers[0].compute_dtype == "float32"
+    assert [r["state"] for r in precision_report(fresh).rows] == states
+    assert cb2.events == []
