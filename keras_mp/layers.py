@@ -142,6 +142,15 @@ class RMSNormalization(keras.layers.RMSNormalization):
     """
     _input_rank: int | None = None  # set in build()
 
+    def __init__(self, axis: int | list[int] | tuple[int, ...] = -1, epsilon: float = 1e-6,
+                 **kwargs):
+        # Keras does not check `axis` and fails later with an unrelated message.
+        axes = axis if isinstance(axis, (list, tuple)) else [axis]
+        if not axes or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
+            raise TypeError(
+                f"`axis` must be an int or a non-empty list/tuple of ints, got {axis!r}.")
+        super().__init__(axis=axis, epsilon=epsilon, **kwargs)
+
     @property
     def fused(self) -> bool:
         """Whether :meth:`call` runs the fused kernel (else Keras's code)."""

@@ -319,10 +319,21 @@ def dense_activation(x, kernel, bias=None, activation: str | None = "linear", *,
     # Keras variables must enter the compiled function as tensors (read
     # under the layer's autocast scope, so already in the compute dtype).
     kernel = tf.convert_to_tensor(kernel)
+    _check_kernel(kernel, x)
     bias = None if bias is None else tf.convert_to_tensor(bias)
+    if bias is not None and (bias.shape.rank != 1 or bias.shape[0] != kernel.shape[-1]):
+        raise ValueError(f"`bias` must be a vector of length kernel.shape[-1]="
+                         f"{kernel.shape[-1]}, got shape {bias.shape}.")
     if xla.uses_xla("matmul"):
         return _dense_xla(x, kernel, bias, act)
     return bias_activation(_matmul_last(x, kernel), bias, activation, approximate=approximate)
+
+
+def _check_kernel(kernel: tf.Tensor, x: tf.Tensor) -> None:
+    if kernel.shape.rank != 2 or (x.shape[-1] is not None and kernel.shape[0] != x.shape[-1]):
+        raise ValueError(
+            f"`kernel` must be a matrix with x.shape[-1]={x.shape[-1]} rows, "
+            f"got shape {kernel.shape}.")
 
 
 def dense_activation_reference(x, kernel, bias=None, activation: str | None = "linear", *,
@@ -337,6 +348,8 @@ def dense_activation_reference(x, kernel, bias=None, activation: str | None = "l
         [[2.0]]
     """
     x = tf.convert_to_tensor(x)
+    kernel = tf.convert_to_tensor(kernel)
+    _check_kernel(kernel, x)
     y = ops.matmul(x, ops.cast(kernel, x.dtype))
     return bias_activation_reference(y, bias, activation, approximate=approximate)
 
@@ -383,19 +396,26 @@ def multi_head_attention(query, key, value, weights, *, scale: float) -> tf.Tens
     Returns:
         ``[batch, T, out]`` in ``query``'s dtype.
     """
-    weights = tuple(None if w is None else tf.convert_to_tensor(w) for w in weights)
+    weights = _check_attention_weights(weights)
     query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
-    if len(weights) != 8:
-        raise ValueError(f"`weights` must hold 8 tensors (4 kernels, 4 biases or None), "
-                         f"got {len(weights)}.")
     if xla.uses_xla("matmul"):
         return _attention_xla(query, key, value, weights, float(scale))
     return multi_head_attention_reference(query, key, value, weights, scale=scale)
 
 
+def _check_attention_weights(weights) -> tuple:
+    weights = tuple(None if w is None else tf.convert_to_tensor(w) for w in weights)
+    if len(weights) != 8 or any(weights[i] is None for i in (0, 2, 4, 6)):
+        raise ValueError(
+            "`weights` must hold 8 entries: query, key, value and output kernels "
+            "(tensors) each followed by its bias (tensor or None), got "
+            f"{len(weights)} entries.")
+    return weights
+
+
 def multi_head_attention_reference(query, key, value, weights, *, scale: float) -> tf.Tensor:
     """:func:`multi_head_attention` in plain ``keras.ops``, in ``query``'s dtype."""
-    q_k, q_b, k_k, k_b, v_k, v_b, o_k, o_b = weights
+    q_k, q_b, k_k, k_b, v_k, v_b, o_k, o_b = _check_attention_weights(weights)
     query = tf.convert_to_tensor(query)
 
     def project(x, kernel, bias, equation):
@@ -607,6 +627,13 @@ def _as_bool_mask(mask, x: tf.Tensor) -> tf.Tensor | None:
     return tf.broadcast_to(mask, tf.shape(x))
 
 
+def _check_axis(axis: int, x: tf.Tensor) -> None:
+    if (isinstance(axis, bool) or not isinstance(axis, int)
+            or not -x.shape.rank <= axis < x.shape.rank):
+        raise ValueError(
+            f"`axis` must be an int in [{-x.shape.rank}, {x.shape.rank}), got {axis!r}.")
+
+
 def softmax(x, mask=None, *, axis: int = -1) -> tf.Tensor:
     """Softmax along ``axis`` with an optional mask, computed in float32.
 
@@ -630,9 +657,7 @@ def softmax(x, mask=None, *, axis: int = -1) -> tf.Tensor:
         [[0.5, 0.5, 0.0]]
     """
     x = tf.convert_to_tensor(x)
-    if not isinstance(axis, int) or not -x.shape.rank <= axis < x.shape.rank:
-        raise ValueError(
-            f"`axis` must be an int in [{-x.shape.rank}, {x.shape.rank}), got {axis!r}.")
+    _check_axis(axis, x)
     bool_mask = _as_bool_mask(mask, x)
     if not _fused_enabled():
         return softmax_reference(x, mask, axis=axis)
@@ -659,6 +684,7 @@ def softmax_reference(x, mask=None, *, axis: int = -1) -> tf.Tensor:
         [[0.5, 0.5]]
     """
     x = tf.convert_to_tensor(x)
+    _check_axis(axis, x)
     bool_mask = _as_bool_mask(mask, x)
     if bool_mask is None:
         return ops.softmax(x, axis=axis)

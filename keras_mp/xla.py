@@ -32,6 +32,7 @@ __all__ = ["Kind", "set_xla", "uses_xla", "jit", "xla_available", "cpu_has_bf16_
 
 Kind = Literal["elementwise", "matmul"]
 KINDS: tuple[str, ...] = ("elementwise", "matmul")
+DEVICE_TYPES: tuple[str, ...] = ("CPU", "GPU", "TPU")
 
 # device type -> kind -> compiled by default? (CPU matmuls: see _default)
 _DEFAULTS: dict[str, dict[str, bool]] = {
@@ -117,8 +118,16 @@ def current_device_type() -> str:
 
 
 def xla_available(device_type: str | None = None) -> bool:
-    """Whether XLA compiles and runs on ``device_type`` (probed once, cached)."""
+    """Whether XLA compiles and runs on ``device_type`` (probed once, cached).
+
+    Args:
+        device_type: ``"CPU"``, ``"GPU"``, ``"TPU"``, or None for the
+            device that ops placed now would run on.
+    """
     device_type = device_type or current_device_type()
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(
+            f"`device_type` must be one of {DEVICE_TYPES} or None, got {device_type!r}.")
     with _lock:
         if device_type in _available:
             return _available[device_type]

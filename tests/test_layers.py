@@ -245,3 +245,9 @@ def test_multi_head_attention_serializes():
     config = keras.saving.serialize_keras_object(layer)
     assert config["registered_name"] == "keras_mp>MultiHeadAttention"
     assert type(keras.saving.deserialize_keras_object(config)) is klayers.MultiHeadAttention
+
+
+@pytest.mark.parametrize("axis", ["x", [], [1.5]])
+def test_rms_normalization_rejects_a_bad_axis(axis):
+    with pytest.raises(TypeError, match="`axis` must be an int or a non-empty list"):
+        klayers.RMSNormalization(axis=axis)

@@ -321,6 +321,18 @@ def test_errors_name_the_argument_and_allowed_values():
         kops.sparse_softmax_cross_entropy(tf.zeros([2]), x)
     with pytest.raises(ValueError, match="`labels` must have shape"):
         kops.sparse_softmax_cross_entropy(tf.zeros([2, 4], tf.int32), x)
+    with pytest.raises(ValueError, match="`axis` must be an int"):
+        kops.softmax_reference(x, axis=2)
+    for dense in (kops.dense_activation, kops.dense_activation_reference):
+        with pytest.raises(ValueError, match="`kernel` must be a matrix with x.shape"):
+            dense(x, tf.ones([3, 2]))
+    with pytest.raises(ValueError, match="`bias` must be a vector of length"):
+        kops.dense_activation(x, tf.ones([4, 2]), tf.ones([3]))
+    for attention in (kops.multi_head_attention, kops.multi_head_attention_reference):
+        with pytest.raises(ValueError, match="`weights` must hold 8 entries"):
+            attention(tf.ones([1, 2, 4]), tf.ones([1, 2, 4]), tf.ones([1, 2, 4]), [], scale=1.0)
+    with pytest.raises(ValueError, match="`device_type` must be one of"):
+        xla.xla_available("QPU")
 
 
 # --------------------------------------------------------------------------
