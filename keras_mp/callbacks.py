@@ -157,8 +157,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
             in this many (an int in ``[1, interval]``); the others run a
             second compiled train function without the statistics kernel.
             None: ``min(10, max(1, interval // 10))``, about ten samples per
-            decision (every step for intervals below 20). 1 gathers them every step (the most responsive, and the
-            costliest: a pass over every gradient each step).
+            decision (every step for intervals below 20). 1 gathers them
+            every step (the most responsive, and the costliest: a pass over
+            every gradient each step).
         loss_scale: the schedule used when the callback wraps the optimizer
             (anything :class:`keras_mp.LossScaleOptimizer` accepts as
             ``schedule``); None: ``"dynamic"`` when float16 is a candidate,

@@ -11,8 +11,8 @@ Example:
     >>> lines = str(r).splitlines()
     >>> lines[0]
     'policy: adaptive_bfloat16, candidates: bfloat16, float32'
-    >>> lines[1]
-    '| layer | class | dtype | nonfinite | amax | fp16 sub | fp16 ovf | bf16 sub | zero | switches | history |'
+    >>> lines[1].split(" | ")[:4]
+    ['| layer', 'class', 'dtype', 'nonfinite']
     >>> keras_mp.set_global_policy("float32")
 """
 
