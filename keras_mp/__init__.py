@@ -1,16 +1,20 @@
 """keras-mp: mixed-precision training for Keras 3 on TensorFlow.
 
 The public API, re-exported explicitly; each name lives in the module named
-for its concept.
+for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
+(TFDS) are imported on their own, since their dependencies are extras.
 """
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
-from keras_mp import distribute, kernels, layers, loss_scale, ops, xla
+from keras_mp import (callbacks, controller, device, distribute, kernels, layers, loss_scale,
+                      ops, policies, report, stats, xla)
 from keras_mp.distribute import patch_multi_worker
 from keras_mp.fuse import fuse
 from keras_mp.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
                                  PiecewiseInterval)
 from keras_mp.optimizer import LossScaleOptimizer
+from keras_mp.policies import AdaptivePolicy, global_policy, policy_scope, set_global_policy
+from keras_mp.report import precision_report
 from keras_mp.xla import set_xla, uses_xla
 
 __version__ = "0.1.0"
@@ -21,19 +25,30 @@ __version__ = "0.1.0"
 patch_multi_worker()
 
 __all__ = [
+    "AdaptivePolicy",
     "DynamicLossScale",
     "FixedLossScale",
     "LossScaleOptimizer",
     "LossScaleSchedule",
     "PiecewiseInterval",
+    "callbacks",
+    "controller",
+    "device",
     "distribute",
-    "patch_multi_worker",
     "fuse",
+    "global_policy",
     "kernels",
     "layers",
     "loss_scale",
     "ops",
+    "patch_multi_worker",
+    "policies",
+    "policy_scope",
+    "precision_report",
+    "report",
+    "set_global_policy",
     "set_xla",
+    "stats",
     "uses_xla",
     "xla",
 ]

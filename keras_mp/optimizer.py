@@ -223,6 +223,16 @@ class LossScaleOptimizer(_KerasLSO):
     # -- the step ---------------------------------------------------------
 
     def apply(self, grads, trainable_variables=None):
+        if not self.built and not tf.executing_eagerly() and tf.distribute.has_strategy() \
+                and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            # Variables created lazily inside a traced replica function are
+            # not initialised before the function reads them; fail clearly
+            # instead of with "You must feed a value for placeholder tensor".
+            raise ValueError(
+                "LossScaleOptimizer must be built before its first step under a "
+                "multi-replica tf.distribute strategy: call "
+                "`optimizer.build(model.trainable_variables)` inside `strategy.scope()` "
+                "first (model.fit does this by itself).")
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)

@@ -442,3 +442,40 @@ def test_wrong_number_of_gradients():
     opt = LossScaleOptimizer(SGD())
     with pytest.raises(ValueError, match="2 gradients for 1 variables"):
         opt.apply([ops.array([1.0]), ops.array([1.0])], [keras.Variable([1.0])])
+
+
+def _custom_loop(strategy, build_first):
+    x, y = tiny_regression_data(16)
+    with strategy.scope():
+        model = make_model()
+        opt = LossScaleOptimizer(SGD(0.1), initial_scale=64.0)
+        if build_first:
+            opt.build(model.trainable_variables)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            err = tf.square(model(xb) - yb)[:, 0]
+            loss = tf.nn.compute_average_loss(err, global_batch_size=16)
+            scaled = opt.scale_loss(loss)
+        opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    @tf.function
+    def step(xb, yb):
+        return strategy.reduce("SUM", strategy.run(replica_step, (xb, yb)), None)
+
+    ds = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
+    for xb, yb in ds:
+        step(xb, yb)
+    return model, opt
+
+
+def test_custom_loop_under_mirrored_strategy_needs_a_built_optimizer(two_replica_strategy):
+    with pytest.raises(ValueError, match=r"optimizer.build\(model.trainable_variables\)"):
+        _custom_loop(two_replica_strategy, build_first=False)
+
+
+def test_custom_loop_under_mirrored_strategy(two_replica_strategy):
+    model, opt = _custom_loop(two_replica_strategy, build_first=True)
+    assert int(opt.iterations.numpy()) == 1 and int(opt.skipped_steps.numpy()) == 0
