@@ -406,7 +406,7 @@ def test_multi_head_attention_without_biases_and_bad_weights():
         np.testing.assert_allclose(
             kops.multi_head_attention(q, q, q, w, scale=0.5),
             kops.multi_head_attention_reference(q, q, q, w, scale=0.5), atol=1e-5)
-        with pytest.raises(ValueError, match="`weights` must hold 8 tensors"):
+        with pytest.raises(ValueError, match="`weights` must hold 8 entries"):
             kops.multi_head_attention(q, q, q, w[:6], scale=0.5)
     finally:
         xla.set_xla("matmul", None)
