@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
                      "it with float32",
         description="Trains a small CNN on the embedded digits with keras-mp, then in "
                     "float32, and prints the precision, loss-scale history and speed.")
-    demo.add_argument("--policy", default="mixed_bfloat16",
+    demo.add_argument("--policy", default="adaptive",
                       help="precision policy to train with (default: %(default)s)")
     demo.add_argument("--epochs", type=int, default=3, help="epochs (default: %(default)s)")
     demo.add_argument("--batch-size", type=int, default=64,

@@ -1,8 +1,10 @@
 """The ``keras-mp demo`` job: keras-mp on the embedded digits, end to end.
 
-Trains a small CNN with keras-mp's mixed-precision policy and
-LossScaleOptimizer, then the same model in float32, side by side, and
-reports accuracy, the loss-scale history, the speed ratio and a PNG plot.
+Trains a small CNN with keras-mp's adaptive precision policy (the device's
+fast dtypes, chosen per layer during training by
+:class:`keras_mp.callbacks.AdaptivePrecision`) and its LossScaleOptimizer,
+then the same model in plain float32, and reports the precision report,
+accuracy, the loss-scale history, the speed ratio and a PNG plot.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_mp import datasets
-from keras_mp.loss_scale import DynamicLossScale
+from keras_mp import callbacks, datasets, device, policies, report
+from keras_mp.loss_scale import DynamicLossScale, FixedLossScale
 from keras_mp.optimizer import LossScaleOptimizer
 
 __all__ = ["DemoResult", "run_demo"]
@@ -35,6 +37,7 @@ class DemoResult:
     skipped_steps: int = 0
     layer_dtypes: dict[str, str] = field(default_factory=dict)
     plot: str | None = None
+    precision: str = ""
     report: str = ""
 
     @property
@@ -76,22 +79,24 @@ def _train(policy: str, data, epochs: int, batch_size: int, verbose: int, seed: 
     (x, y), (xt, yt) = data
     keras.utils.clear_session()
     keras.utils.set_random_seed(seed)
-    previous = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy(policy)
-    try:
+    with policies.policy_scope(policy) as active:
         model = _model()
-        opt = LossScaleOptimizer(keras.optimizers.Adam(2e-3),
-                                 schedule=DynamicLossScale(initial_scale=2.0**15,
-                                                           growth_interval=50))
-        model.compile(optimizer=opt,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-        rec = _ScaleRecorder()
-        model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                  callbacks=[rec])
-        acc = float(model.evaluate(xt, yt, verbose=0)[1])
-    finally:
-        keras.mixed_precision.set_global_policy(previous)
+    adaptive = isinstance(active, policies.AdaptivePolicy)
+    needs_scaling = adaptive and active.uses_float16 or "float16" in str(active.name)
+    # Loss scaling only where float16 can underflow; a fixed scale of 1 keeps
+    # the skip-on-non-finite guard (and the statistics) for the other dtypes.
+    schedule = DynamicLossScale(initial_scale=2.0**15, growth_interval=50) \
+        if needs_scaling else FixedLossScale(1.0)
+    opt = LossScaleOptimizer(keras.optimizers.Adam(2e-3), schedule=schedule)
+    model.compile(optimizer=opt,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    rec = _ScaleRecorder()
+    cbs: list[Any] = [rec]
+    if adaptive:
+        cbs.append(callbacks.AdaptivePrecision(interval=10))
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=cbs)
+    acc = float(model.evaluate(xt, yt, verbose=0)[1])
     steady = rec.batch_seconds[len(rec.batch_seconds) // 4:]  # skip tracing
     return model, rec, acc, 1e3 * float(np.median(steady))
 
@@ -120,12 +125,14 @@ def _plot(path: str, result: DemoResult, losses: dict[str, list[float]]) -> str:
     return path
 
 
-def run_demo(policy: str = "mixed_bfloat16", epochs: int = 3, batch_size: int = 64,
+def run_demo(policy: str = "adaptive", epochs: int = 3, batch_size: int = 64,
              out_dir: str | None = ".", verbose: int = 1, seed: int = 0) -> DemoResult:
     """Runs the demo and returns what it measured.
 
     Args:
-        policy: the mixed-precision policy keras-mp trains with.
+        policy: the precision policy keras-mp trains with: ``"adaptive"``
+            (the device's fast dtypes), another adaptive name or any Keras
+            policy name.
         epochs: training epochs for each of the two runs (>= 1).
         batch_size: batch size (>= 1).
         out_dir: folder for ``keras_mp_demo.png``; None writes no plot.
@@ -140,10 +147,13 @@ def run_demo(policy: str = "mixed_bfloat16", epochs: int = 3, batch_size: int = 
         os.makedirs(out_dir, exist_ok=True)
         if not os.access(out_dir, os.W_OK):
             raise PermissionError(f"`out_dir` {out_dir!r} is not writable.")
+    policies.get(policy)  # a clear error for an unknown name, before any work
     data = datasets.load_digits(seed=seed)
     model, rec, acc, step_ms = _train(policy, data, epochs, batch_size, verbose, seed)
     losses = {policy: list(model.history.history["loss"])}
-    layer_dtypes = {layer.name: layer.dtype_policy.compute_dtype for layer in model.layers}
+    layer_dtypes = {layer.name: layer.compute_dtype for layer in model.layers
+                    if layer.trainable_weights}
+    precision = str(report.precision_report(model))
     skipped = int(model.optimizer.skipped_steps.numpy())
     if verbose:
         print("\nThe same model in float32, for the speed comparison:")
@@ -152,7 +162,7 @@ def run_demo(policy: str = "mixed_bfloat16", epochs: int = 3, batch_size: int = 
     result = DemoResult(policy=policy, accuracy=acc, float32_accuracy=acc32,
                         step_ms=step_ms, float32_step_ms=step32,
                         loss_scale_history=rec.scales, skipped_steps=skipped,
-                        layer_dtypes=layer_dtypes)
+                        layer_dtypes=layer_dtypes, precision=precision)
     if out_dir is not None:
         result.plot = _plot(os.path.join(out_dir, "keras_mp_demo.png"), result, losses)
     result.report = format_result(result)
@@ -161,10 +171,12 @@ def run_demo(policy: str = "mixed_bfloat16", epochs: int = 3, batch_size: int = 
 
 def format_result(r: DemoResult) -> str:
     """The demo's summary as text."""
-    lines = ["", f"keras-mp demo: policy {r.policy!r} on the embedded digits", "",
-             "Per-layer compute dtype:"]
-    width = max(len(n) for n in r.layer_dtypes) if r.layer_dtypes else 0
-    lines += [f"  {name:<{width}}  {dtype}" for name, dtype in r.layer_dtypes.items()]
+    prof = device.profile()
+    fast = ", ".join(prof.fast) or "none"
+    lines = ["", f"keras-mp demo: policy {r.policy!r} on the embedded digits",
+             f"Fast low-precision dtypes on this {prof.device_type}: {fast} "
+             f"(adaptive chooses among: {', '.join(device.default_candidates())})", "",
+             "Precision report:", r.precision]
     hist = r.loss_scale_history
     changes = [f"step {i}: {hist[i - 1]:g} -> {hist[i]:g}"
                for i in range(1, len(hist)) if hist[i] != hist[i - 1]]
@@ -173,7 +185,7 @@ def format_result(r: DemoResult) -> str:
     lines += [f"  {c}" for c in changes[:10]]
     lines += ["", f"Test accuracy: {r.accuracy:.3f} (float32: {r.float32_accuracy:.3f})",
               f"Median step: {r.step_ms:.2f} ms vs float32 {r.float32_step_ms:.2f} ms "
-              f"-> {r.speedup:.2f}x"]
+              f"-> {r.speedup:.2f}x float32's speed"]
     if r.plot:
         lines.append(f"Plot written to {r.plot}")
     return "\n".join(lines)
