@@ -55,7 +55,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from keras_mp import controller, loss_scale, policies
+from keras_mp import controller, policies
+from keras_mp import loss_scale as loss_scale_lib  # `loss_scale` is an argument below
 from keras_mp.optimizer import LossScaleOptimizer
 from keras_mp.stats import IntervalStats, LayerStatistics
 
@@ -119,7 +120,7 @@ class _PrecisionState(keras.layers.Layer):
         raise TypeError("_PrecisionState holds state; it is not called on data.")
 
 
-def _scale_floor(schedule: loss_scale.LossScaleSchedule) -> float | None:
+def _scale_floor(schedule: loss_scale_lib.LossScaleSchedule) -> float | None:
     """The smallest scale ``schedule`` reaches (None if unknown: every
     non-finite step then counts against the layers)."""
     if not schedule.is_dynamic:
@@ -197,6 +198,14 @@ class AdaptivePrecision(keras.callbacks.Callback):
             raise TypeError(f"`log_dir` must be a path string or None, got {log_dir!r}.")
         if verbose not in (0, 1):
             raise ValueError(f"`verbose` must be 0 or 1, got {verbose!r}.")
+        if loss_scale is not None:
+            try:
+                loss_scale_lib.get(loss_scale)
+            except (ValueError, TypeError) as e:
+                raise ValueError(
+                    "`loss_scale` must be None, a keras_mp LossScaleSchedule, 'dynamic', a "
+                    f"number (a fixed scale) or a serialized schedule, got {loss_scale!r}."
+                ) from e
         self.interval = interval
         self.statistics_every = statistics_every
         self._functions: tuple | None = None
@@ -255,7 +264,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             else opt
         schedule = self.loss_scale
         if schedule is None:
-            schedule = "dynamic" if self._policy.uses_float16 else loss_scale.FixedLossScale(1.0)
+            schedule = "dynamic" if self._policy.uses_float16 else loss_scale_lib.FixedLossScale(1.0)
         with model.distribute_strategy.scope():
             wrapped = LossScaleOptimizer(inner, schedule=schedule)
             wrapped.build(model.trainable_variables)

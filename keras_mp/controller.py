@@ -187,6 +187,12 @@ class LayerState:
     switches: int = 0
     strikes: int = 0
 
+    def __post_init__(self):
+        if self.dtype not in DTYPE_ORDER:
+            raise ValueError(f"`dtype` must be one of {DTYPE_ORDER}, got {self.dtype!r}.")
+        for name in ("healthy", "cooldown", "switches", "strikes"):
+            _count(name, getattr(self, name), 0)
+
     def get_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -82,6 +82,9 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
         >>> sorted(cpu_flags("processor : 0\\nflags : fpu avx2 amx_bf16\\n"))
         ['amx_bf16', 'avx2', 'fpu']
     """
+    if cpuinfo is not None and not isinstance(cpuinfo, str):
+        raise TypeError(f"`cpuinfo` must be the text of /proc/cpuinfo or None, got "
+                        f"{cpuinfo!r} of type {type(cpuinfo).__name__}.")
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -283,6 +283,9 @@ def policy_of(model: keras.Model) -> AdaptivePolicy | None:
     the policy (Keras deserializes each layer's ``dtype`` separately); this
     makes them share one, so that a change reaches every layer.
     """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
+                        f"{type(model).__name__}.")
     found: list[keras.layers.Layer] = [
         layer for layer in model._flatten_layers(include_self=True)
         if isinstance(getattr(layer, "_dtype_policy", None), AdaptivePolicy)]
@@ -301,6 +304,12 @@ def policy_of(model: keras.Model) -> AdaptivePolicy | None:
 def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.layers.Layer]:
     """The layers whose precision ``policy`` controls and that own trainable
     variables (so have gradient statistics), in ``model``'s layer order."""
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
+                        f"{type(model).__name__}.")
+    if not isinstance(policy, AdaptivePolicy):
+        raise TypeError(f"`policy` must be an AdaptivePolicy (see policy_of), got {policy!r} "
+                        f"of type {type(policy).__name__}.")
     seen: set[int] = set()
     out = []
     for layer in model._flatten_layers(include_self=False):

@@ -59,7 +59,11 @@ FRACTIONS: tuple[str, ...] = ("fp16_underflow", "fp16_subnormal", "fp16_overflow
 
 def variable_path(variable) -> str:
     """A variable's path (``"model/dense/kernel"``), or its name if it has none."""
-    return getattr(variable, "path", None) or variable.name
+    path = getattr(variable, "path", None) or getattr(variable, "name", None)
+    if not isinstance(path, str):
+        raise TypeError(f"`variable` must be a Keras or TensorFlow variable, got {variable!r} "
+                        f"of type {type(variable).__name__}.")
+    return path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +109,14 @@ class LayerStatistics(keras.layers.Layer):
         layers = list(layers)
         if not layers:
             raise ValueError("`layers` must hold at least one layer with trainable variables.")
+        bad = [layer for layer in layers if not isinstance(layer, keras.layers.Layer)]
+        if bad:
+            raise TypeError(f"`layers` must hold Keras layers, got {bad[0]!r} of type "
+                            f"{type(bad[0]).__name__}.")
+        if scale_floor is not None and (
+                isinstance(scale_floor, bool) or not isinstance(scale_floor, (int, float))
+                or not scale_floor > 0):
+            raise ValueError(f"`scale_floor` must be None or a number > 0, got {scale_floor!r}.")
         self.paths: tuple[str, ...] = tuple(layer.path for layer in layers)
         self.scale_floor = scale_floor
         self._owner: dict[str, int] = {}

@@ -314,6 +314,10 @@ def test_errors():
         AdaptivePrecision(interval=0)
     with pytest.raises(ValueError, match="verbose"):
         AdaptivePrecision(verbose=2)
+    with pytest.raises(ValueError, match="`loss_scale`"):
+        AdaptivePrecision(loss_scale="sometimes")
+    with pytest.raises(TypeError, match="`log_dir`"):
+        AdaptivePrecision(log_dir=3)
     model = _small("float32")
     with pytest.raises(ValueError, match="set_global_policy"):
         model.fit(*_xy(), epochs=1, verbose=0, callbacks=[AdaptivePrecision()])

@@ -151,6 +151,10 @@ def test_sort_candidates_and_validation():
         decide([HEALTHY], [], F16)
     with pytest.raises(ValueError, match="candidates"):
         decide([HEALTHY], [LayerState("bfloat16")], F16)
+    with pytest.raises(ValueError, match="`dtype`"):
+        LayerState("int8")
+    with pytest.raises(ValueError, match="`switches`"):
+        LayerState("float16", switches=-1)
     with pytest.raises(ValueError, match="all_nonfinite"):
         decide([HEALTHY], [LayerState("float16")], F16, all_nonfinite=2.0)
 

@@ -12,6 +12,8 @@ def test_cpu_flags_parses_x86_and_arm_and_missing():
     assert device.cpu_flags("Features\t: fp asimd fphp\n") == {"fp", "asimd", "fphp"}
     assert device.cpu_flags("model name : x\n") == frozenset()
     assert isinstance(device.cpu_flags(), frozenset)
+    with pytest.raises(TypeError, match="`cpuinfo`"):
+        device.cpu_flags(3)
 
 
 def test_judge_needs_hardware_and_a_measurement_that_agrees():

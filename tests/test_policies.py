@@ -51,6 +51,15 @@ def test_bad_names_list_the_allowed_values():
         p.assign("", "float32")
 
 
+def test_model_helpers_reject_non_models():
+    with pytest.raises(TypeError, match="`model`"):
+        policies.policy_of("model")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(TypeError, match="`policy`"):
+        policies.adaptive_layers(model, "float32")
+    assert policies.policy_of(model) is None  # float32: not adaptive
+
+
 def test_policy_scope_restores_even_after_an_error():
     policies.set_global_policy("mixed_bfloat16")
     with pytest.raises(RuntimeError):

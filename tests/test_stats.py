@@ -74,8 +74,12 @@ def test_unowned_variables_are_ignored():
     acc.accumulate(_stats(nonfinite=[1.0, 1.0, 0.0, 0.0], amax=[9.0, 9.0, 1.0, 1.0]), 1.0, tvars)
     r = acc.read()
     assert len(r.layers) == 1 and r.layers[0].nonfinite == 0.0 and r.layers[0].amax == 1.0
-    with pytest.raises(ValueError, match="layers"):
+    with pytest.raises(ValueError, match="`layers`"):
         LayerStatistics([])
+    with pytest.raises(TypeError, match="`layers`"):
+        LayerStatistics(["dense"])
+    with pytest.raises(ValueError, match="`scale_floor`"):
+        LayerStatistics(model.layers, scale_floor=-1.0)
 
 
 def test_reduced_across_replicas():
@@ -128,3 +132,6 @@ def test_sink_of_the_optimizer_in_a_compiled_train_step():
 def test_variable_path():
     v = keras.Variable(1.0, name="w")
     assert variable_path(v) == v.path
+    assert variable_path(tf.Variable(1.0, name="t")) == "t:0"
+    with pytest.raises(TypeError, match="`variable`"):
+        variable_path(3)
