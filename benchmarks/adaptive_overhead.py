@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import format_ratio_table, quiet_tensorflow, side_by_side
+from .common import format_ratio_table, quiet_tensorflow, side_by_side
 
 TARGET = 1.05
 
@@ -30,7 +30,7 @@ def _cpu_time_per_step(variants, steps: int, repeats: int) -> dict[str, float]:
     import statistics
     import time
 
-    from benchmarks.common import sync
+    from .common import sync
 
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import format_ratio_table, quiet_tensorflow, side_by_side
+from .common import format_ratio_table, quiet_tensorflow, side_by_side
 
 TARGET = 1.05
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.common import format_ratio_table, quiet_tensorflow, side_by_side
+from .common import format_ratio_table, quiet_tensorflow, side_by_side
 
 quiet_tensorflow()
 

@@ -25,7 +25,7 @@ import json
 import subprocess
 import sys
 
-from benchmarks.common import format_ratio_table, peak_rss_mb, quiet_tensorflow, side_by_side
+from .common import format_ratio_table, peak_rss_mb, quiet_tensorflow, side_by_side
 
 quiet_tensorflow()
 
@@ -101,7 +101,9 @@ def measure_memory(variant: str, batch: int, steps: int = 3) -> dict:
 
 def _memory_in_subprocess(variant: str, batch: int) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.transformer_step", "--memory-of", variant,
+        # __spec__.name: "benchmarks.transformer_step" in the repository,
+        # "keras_mp.benchmarks.transformer_step" when installed.
+        [sys.executable, "-m", __spec__.name, "--memory-of", variant,
          "--batch", str(batch)], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
