@@ -2,8 +2,9 @@
 
 Every step of mixed-precision training touches every gradient twice outside
 the matmuls: to undo the loss scale and to check that it is finite. Done per
-tensor that is hundreds of tiny ops; here it is one compiled computation
-(:mod:`keras_mp.xla` decides where it is compiled). The same pass can also
+tensor that is hundreds of tiny ops; here it is one computation, XLA-compiled
+where that pays (GPU/TPU: one launch instead of hundreds; on CPU it runs as a
+TensorFlow graph, see :mod:`keras_mp.xla`). The same pass can also
 measure the statistics that the adaptive precision policy needs, so the loss
 scaler and the policy share one mechanism.
 
@@ -145,17 +146,17 @@ def _fused(grads, scale, *, unscale: bool, stats: bool):
     return outs, result
 
 
-@xla.jit("elementwise")
+@xla.jit("multi_tensor")
 def _unscale_check_kernel(grads, scale):
     return _fused(grads, scale, unscale=True, stats=False)
 
 
-@xla.jit("elementwise")
+@xla.jit("multi_tensor")
 def _stats_kernel(grads, scale):
     return _fused(grads, scale, unscale=False, stats=True)[1]
 
 
-@xla.jit("elementwise")
+@xla.jit("multi_tensor")
 def _unscale_stats_kernel(grads, scale):
     return _fused(grads, scale, unscale=True, stats=True)
 
