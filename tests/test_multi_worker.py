@@ -21,6 +21,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_mp.distribute as distribute
 
@@ -53,12 +54,13 @@ def _isolation_prefix() -> list[str]:
     return prefix if probe.returncode == 0 else []
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> list[dict[str, Any]]:
-    """Both workers' JSON results; fails with their logs if the run fails."""
-    out = tmp_path_factory.mktemp("multi_worker")
+def _launch(out: Path, *worker_args: str) -> list[dict[str, Any]]:
+    """Runs both workers with ``worker_args``; their JSON results. Fails with
+    their logs if the run fails."""
     cmd = [*_isolation_prefix(), sys.executable, str(HERE / "launch.py"),
            "--out-dir", str(out), "--timeout", str(LAUNCH_TIMEOUT_S)]
+    if worker_args:
+        cmd += ["--", *worker_args]
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         rc = proc.wait(timeout=LAUNCH_TIMEOUT_S + 15)
@@ -78,6 +80,12 @@ def cluster(tmp_path_factory) -> list[dict[str, Any]]:
     for r in results:
         assert "error" not in r, f"worker {r['task']} raised:\n{r['error']}"
     return results
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> list[dict[str, Any]]:
+    """Both workers' JSON results for the default phases."""
+    return _launch(tmp_path_factory.mktemp("multi_worker"))
 
 
 def _as_model_weights(model, flat: list[list[float]]) -> list[np.ndarray]:
@@ -124,6 +132,54 @@ def test_fit_sgd_workers_agree_and_match_single_process(cluster):
     for key in ("loss", "val_loss"):
         np.testing.assert_allclose(w0["history"][key], history.history[key],
                                    rtol=RTOL, atol=ATOL)
+
+
+def test_adaptive_precision_workers_decide_alike_and_as_single_process(tmp_path):
+    # Only worker 1's rows overflow float16 in the first layer; the statistics
+    # all-reduce must make both workers take the same decisions (and the ones
+    # one process takes on the same global batches), or their models diverge.
+    x, _ = worker.make_adaptive_data()
+    rows = x.reshape(-1, worker.GLOBAL_BATCH, worker.FEATURES)
+    half = worker.GLOBAL_BATCH // 2
+    assert (np.abs(rows[:, :half]) < 65504).all()  # worker 0's rows
+    assert (rows[:, half:] > 65504).any(axis=(1, 2)).all()  # worker 1's, every step
+
+    w0, w1 = (r["adaptive"] for r in _launch(tmp_path, "--phases", "adaptive"))
+    assert w0["optimizer"] == "LossScaleOptimizer"
+    assert w0["w0"] == w1["w0"], "initial weights differ across workers"
+    assert w0["events"], "no precision decision was made"
+    for key in ("report", "events", "calls", "controller", "statistics", "loss_scale",
+                "iterations", "skipped_steps", "optimizer_variables"):
+        assert w0[key] == w1[key], f"workers disagree on {key}"
+    _assert_same_weights(w0["w"], w1["w"], rtol=0, atol=0)
+    assert all(np.isfinite(v).all() for v in w0["w"])
+    # Steps 1-2 overflow (scale 2, then the floor 1): the first decision
+    # promotes the input layer, after which nothing overflows.
+    layers = w0["report"]["layers"]
+    assert [r["compute_dtype"] for r in layers] == ["float32", "float16", "float16"]
+    assert w0["events"] == [{"step": worker.ADAPTIVE_INTERVAL, "layer": layers[0]["layer"],
+                             "old": "float16", "new": "float32",
+                             "reason": "nonfinite_everywhere"}]
+    assert (w0["calls"], w0["iterations"], w0["skipped_steps"], w0["loss_scale"]) == \
+        (worker.ADAPTIVE_STEPS, worker.ADAPTIVE_STEPS - 2, 2, 1.0)
+
+    # The same global batches in this process, on one device.
+    model, cb, ref_w0 = worker.train_adaptive(
+        tf.distribute.get_strategy(), worker.make_adaptive_data(),
+        batch_size=worker.GLOBAL_BATCH, shuffle=False)
+    assert ref_w0 == w0["w0"]
+    assert cb.events == w0["events"]
+    ref = worker.adaptive_summary(model, cb)
+    for key in ("compute_dtype", "state", "history"):
+        assert [r[key] for r in ref["report"]["layers"]] == \
+            [r[key] for r in w0["report"]["layers"]], key
+    assert ref["controller"] == w0["controller"]
+    for a, b in zip(ref["report"]["layers"], w0["report"]["layers"]):
+        assert a["stats"]["nonfinite"] == b["stats"]["nonfinite"], a["layer"]
+    for key in ("loss_scale", "iterations", "skipped_steps"):
+        assert ref[key] == w0[key], key
+    # float16 layers sum over 4 rows per worker instead of 8.
+    _assert_same_weights(w0["w"], ref["w"], rtol=2e-2, atol=2e-2)
 
 
 def test_fit_loss_scale_optimizer_skips_a_nan_seen_by_one_worker(cluster):

@@ -11,6 +11,10 @@ Phases:
     sgd: ``model.fit`` with the fix, plain ``tf.data`` input, validation too.
     lso: ``model.fit`` with ``keras_mp.LossScaleOptimizer`` and per-worker
         input where only worker 1 sees a NaN, at global step ``NAN_STEP``.
+    adaptive: ``model.fit`` of a model built under the ``"adaptive_float16"``
+        policy with ``keras_mp.callbacks.AdaptivePrecision``, on per-worker
+        input where only worker 1's rows overflow float16 in the first layer
+        (not in the default phases: the test runs it in a cluster of its own).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ STEPS = 4
 LR = 0.1
 NAN_STEP = 1
 NAN_WORKER = 1
+ADAPTIVE_STEPS = 6
+ADAPTIVE_INTERVAL = 2
+OVERFLOW = 7e4  # beyond float16's largest finite value, 65504
 
 
 def make_data(nan: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -66,17 +73,81 @@ def global_dataset(nan: bool = False) -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices(make_data(nan)).batch(GLOBAL_BATCH)
 
 
-def worker_dataset_fn(nan: bool):
+def worker_dataset_fn(nan: bool, data=None):
     """For ``distribute_datasets_from_function``: worker i gets rows
-    ``[i*b, (i+1)*b)`` of each global batch, b the per-replica batch size."""
+    ``[i*b, (i+1)*b)`` of each global batch, b the per-replica batch size.
+    ``data``: a function returning ``(x, y)`` (default: :func:`make_data`)."""
     def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
-        x, y = make_data(nan)
+        x, y = make_data(nan) if data is None else data()
         b = ctx.get_per_replica_batch_size(GLOBAL_BATCH)
         i = ctx.input_pipeline_id
-        take = lambda a: a.reshape(STEPS, GLOBAL_BATCH, -1)[:, i * b:(i + 1) * b]  # noqa: E731
+        take = lambda a: a.reshape(-1, GLOBAL_BATCH, a.shape[-1])[:, i * b:(i + 1) * b]  # noqa: E731
         xs, ys = (take(a).reshape(-1, a.shape[-1]) for a in (x, y))
         return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(b)
     return dataset_fn
+
+
+def make_adaptive_data() -> tuple[np.ndarray, np.ndarray]:
+    """``ADAPTIVE_STEPS`` global batches; the last row of each, which
+    :func:`worker_dataset_fn` gives to worker 1, has a feature of
+    ``OVERFLOW``: float16 inf in the first Dense layer on worker 1 only."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(ADAPTIVE_STEPS * GLOBAL_BATCH, FEATURES)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    x[GLOBAL_BATCH - 1::GLOBAL_BATCH, 0] = OVERFLOW
+    return x, y
+
+
+def train_adaptive(strategy, data, **fit_kwargs):
+    """Builds and fits the adaptive model under ``strategy`` on ``data`` (a
+    dataset, or ``(x, y)``); returns ``(model, callback, initial weights)``.
+    The worker and the test's single-process reference both train through it."""
+    import keras
+
+    from keras_mp import loss_scale, policies
+    from keras_mp.callbacks import AdaptivePrecision
+
+    init = lambda seed: keras.initializers.RandomUniform(-0.05, 0.05, seed=seed)  # noqa: E731
+    with policies.policy_scope("adaptive_float16"), strategy.scope():
+        model = keras.Sequential([
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8, kernel_initializer=init(1), name="mw_in"),
+            keras.layers.Dense(4, kernel_initializer=init(2), name="mw_hidden"),
+            keras.layers.Dense(1, kernel_initializer=init(3), name="mw_out"),
+        ], name="mw_adaptive")
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=False)
+    cb = AdaptivePrecision(ADAPTIVE_INTERVAL,
+                           loss_scale=loss_scale.DynamicLossScale(initial_scale=2.0))
+    w0 = _weights(model)
+    x = data if isinstance(data, tuple) else (data,)
+    model.fit(*x, epochs=1, verbose=0, callbacks=[cb], **fit_kwargs)
+    return model, cb, w0
+
+
+def adaptive_summary(model, cb) -> dict[str, Any]:
+    """What the test compares: report, controller and loss-scale state, weights."""
+    import keras
+
+    from keras_mp.report import precision_report
+
+    def values(variables) -> dict[str, list]:
+        return {v.path: np.asarray(keras.ops.convert_to_numpy(v)).ravel().tolist()
+                for v in variables}
+
+    opt = model.optimizer
+    return {
+        "report": precision_report(model).to_dict(),
+        "events": cb.events,
+        "calls": cb._calls,
+        "controller": values(cb._state.weights),
+        "statistics": values(cb._stats.weights),
+        "optimizer": type(opt).__name__,
+        "loss_scale": float(keras.ops.convert_to_numpy(opt.loss_scale)),
+        "iterations": int(keras.ops.convert_to_numpy(opt.iterations)),
+        "skipped_steps": int(keras.ops.convert_to_numpy(opt.skipped_steps)),
+        "optimizer_variables": values(opt.variables),
+        "w": _weights(model),
+    }
 
 
 def _weights(model) -> list[list[float]]:
@@ -133,6 +204,13 @@ def _phase_lso(strategy) -> dict[str, Any]:
     }
 
 
+def _phase_adaptive(strategy) -> dict[str, Any]:
+    data = strategy.distribute_datasets_from_function(
+        worker_dataset_fn(nan=False, data=make_adaptive_data))
+    model, cb, w0 = train_adaptive(strategy, data)
+    return {"w0": w0, **adaptive_summary(model, cb)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="path of the JSON result")
@@ -163,6 +241,8 @@ def main() -> None:
             result["sgd"] = _phase_sgd(strategy)
         if "lso" in phases:
             result["lso"] = _phase_lso(strategy)
+        if "adaptive" in phases:
+            result["adaptive"] = _phase_adaptive(strategy)
     except Exception:  # noqa: BLE001 - reported to the test, which fails on it
         result["error"] = traceback.format_exc()
     with open(args.out, "w") as f:
