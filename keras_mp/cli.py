@@ -68,7 +68,13 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from keras_mp.benchmarks import suite
+    try:
+        # Installed: benchmarks/ ships as keras_mp.benchmarks.
+        from keras_mp.benchmarks import suite
+    except ModuleNotFoundError:
+        # A source checkout on sys.path (e.g. tests run from the repository
+        # root) shadows the installed package and has benchmarks/ beside it.
+        from benchmarks import suite
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     suite.run(models=models, quick=args.quick, out=args.out)
