@@ -314,16 +314,21 @@ class LossScaleOptimizer(_KerasLSO):
                 "`max_consecutive_skips` needs a train step that is not XLA-compiled "
                 "(XLA drops assertions): compile the model with jit_compile=False, "
                 "or set max_consecutive_skips=None.")
-        names = tf.constant([getattr(v, "path", v.name) for v in tvars])
-        bad = tf.strings.reduce_join(tf.boolean_mask(names, nonfinite > 0), separator=", ")
-        tf.debugging.Assert(
-            consecutive <= self.max_consecutive_skips,
-            [tf.strings.format(
+        names = [getattr(v, "path", v.name) for v in tvars]
+        limit = self.max_consecutive_skips
+
+        def fail():
+            # Formatted only when the limit is exceeded: string ops on every
+            # training step would cost time for a message rarely shown.
+            bad = tf.strings.reduce_join(
+                tf.boolean_mask(tf.constant(names), nonfinite > 0), separator=", ")
+            tf.debugging.Assert(False, [tf.strings.format(
                 "keras_mp.LossScaleOptimizer: {} consecutive steps had non-finite "
-                "gradients (max_consecutive_skips=" + str(self.max_consecutive_skips)
-                + "); loss scale is now {}. Non-finite gradients in: {}",
-                (consecutive, self.loss_scale, bad))],
-            summarize=1)
+                f"gradients (max_consecutive_skips={limit}); loss scale is now {{}}. "
+                "Non-finite gradients in: {}",
+                (consecutive, self.loss_scale, bad))], summarize=1)
+
+        ops.cond(consecutive > limit, fail, lambda: None)
 
     # -- serialization ----------------------------------------------------
 
