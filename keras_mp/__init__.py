@@ -6,8 +6,9 @@ for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
 """
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
-from keras_mp import (callbacks, controller, device, distribute, kernels, layers, loss_scale,
-                      ops, policies, report, stats, xla)
+from keras_mp import (autofit, callbacks, controller, device, distribute, forward, hooks,
+                      kernels, layers, loss_scale, ops, policies, precision_state, probe, report,
+                      stats, xla)
 from keras_mp.distribute import patch_multi_worker
 from keras_mp.fuse import fuse
 from keras_mp.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
@@ -23,6 +24,8 @@ __version__ = "0.1.0"
 # MultiWorkerMirroredStrategy (see keras_mp.distribute). The fix acts only in
 # multi-worker mode and only where the installed Keras has the fault.
 patch_multi_worker()
+# fit adds an AdaptivePrecision to models built under an adaptive policy.
+autofit.install()
 
 __all__ = [
     "AdaptivePolicy",
@@ -31,12 +34,15 @@ __all__ = [
     "LossScaleOptimizer",
     "LossScaleSchedule",
     "PiecewiseInterval",
+    "autofit",
     "callbacks",
     "controller",
     "device",
     "distribute",
+    "forward",
     "fuse",
     "global_policy",
+    "hooks",
     "kernels",
     "layers",
     "loss_scale",
@@ -45,6 +51,8 @@ __all__ = [
     "policies",
     "policy_scope",
     "precision_report",
+    "precision_state",
+    "probe",
     "report",
     "set_global_policy",
     "set_xla",

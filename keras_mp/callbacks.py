@@ -1,31 +1,37 @@
 """``AdaptivePrecision``: applies the adaptive policy's decisions during ``fit``.
 
+A model built under an adaptive global policy gets one automatically in
+``fit`` (see :mod:`keras_mp.autofit`); pass one to configure it.
+
 What the callback does, and when:
 
 * ``set_model`` (Keras calls it when ``fit`` starts, before the train
-  function is built): finds the model's :class:`keras_mp.AdaptivePolicy`,
-  makes sure the optimizer is a :class:`keras_mp.LossScaleOptimizer`
-  (wrapping the compiled one if not: with a dynamic loss scale when float16
-  is a candidate, with a fixed scale of 1 otherwise, so that its statistics
-  kernel still runs), and sets the optimizer's ``statistics_sink`` to a
-  :class:`keras_mp.stats.LayerStatistics` attached to the model (which
-  counts non-finite gradients only at the schedule's smallest scale: above
-  it, an overflow is the loss scaler's to fix). This is how
-  loss scaling is wired in without the user wrapping the optimizer: Keras's
-  own auto-wrap fires only for the policy name ``"mixed_float16"``.
-* every ``statistics_every`` train-function calls: runs the step whose
-  optimizer has the sink set (the other steps run a second trace of the train
-  function without it, so the statistics kernel costs nothing there);
-* every ``interval`` train-function calls: reads the statistics once, asks
+  function is built): finds the model's :class:`keras_mp.AdaptivePolicy` and
+  its controlled layers (:func:`keras_mp.policies.adaptive_layers`: every
+  layer, with or without weights). With float32 as the only candidate there
+  is nothing to adapt, and it does nothing else: no wrapper, no hook, no
+  statistics. Otherwise it installs the model's :class:`keras_mp.hooks.Hooks`
+  (forward statistics, the probe), attaches a
+  :class:`keras_mp.stats.LayerStatistics`, and connects the gradients: when
+  float16 is a candidate (or ``loss_scale`` is given) the optimizer is
+  wrapped in a :class:`keras_mp.LossScaleOptimizer` whose ``statistics_sink``
+  is the statistics (Keras's own auto-wrap fires only for the policy name
+  ``"mixed_float16"``); bfloat16 needs no loss scale, so there the optimizer
+  stays as compiled and only its ``apply`` is observed on statistics steps.
+* per train-function call, it picks one of three traces of the train
+  function: plain (no extra op), statistics (gradient and forward statistics,
+  one in ``statistics_every``), probe (statistics plus the float32 probe, one
+  in ``probe_every``);
+* every ``interval`` calls: reads the statistics once, asks
   :func:`keras_mp.controller.decide`, assigns the new dtypes in the policy and
-  rebuilds the train function only if a dtype changed. Optimizer variables
-  are untouched (variables stay float32 whatever the compute dtype).
-* every epoch end: adds ``precision_switches`` (switches this epoch) and
-  ``precision_narrow_layers`` (layers in the narrowest candidate) to the logs,
-  so ``History`` records them; with ``log_dir``, writes per-layer scalars
-  for TensorBoard.
+  rebuilds the train functions only if a dtype (or a trial) changed.
+  Optimizer variables are untouched (variables stay float32).
+* every epoch end: adds ``precision_switches`` (switches this epoch) and,
+  with more than one candidate, ``precision_narrow_layers`` (layers in the
+  narrowest candidate) to the logs, so ``History`` records them; with
+  ``log_dir``, writes per-layer scalars for TensorBoard.
 
-Persistence: the per-layer dtypes and controller state live in the policy
+Persistence: the per-layer dtypes and controller records live in the policy
 (which Keras writes into every layer's config in a ``.keras`` file) and in
 variables of a small state object attached to the model (which
 ``save_weights``, ``ModelCheckpoint``, ``BackupAndRestore`` and
@@ -57,14 +63,17 @@ from tensorflow.core.framework import summary_pb2
 
 from keras_mp import controller, policies
 from keras_mp import loss_scale as loss_scale_lib  # `loss_scale` is an argument below
+from keras_mp import probe as probe_lib
+from keras_mp.hooks import Hooks
 from keras_mp.optimizer import LossScaleOptimizer
+from keras_mp.precision_state import PrecisionState, attached
 from keras_mp.stats import IntervalStats, LayerStatistics
 
 __all__ = ["AdaptivePrecision"]
 
-_STATE_FIELDS = ("dtype", "healthy", "cooldown", "switches", "strikes")
 _STATS_ATTR = "_keras_mp_statistics"
 _STATE_ATTR = "_keras_mp_precision_state"
+_HOOKS_ATTR = "_keras_mp_hooks"
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 ).SerializeToString()
@@ -78,48 +87,6 @@ def _scalar(tag: str, value: float) -> None:
     tf.summary.write(tag, tf.constant(float(value), tf.float32), metadata=_SCALAR_METADATA)
 
 
-class _PrecisionState(keras.layers.Layer):
-    """The controller's per-layer state as variables, so that checkpoints and
-    ``BackupAndRestore`` carry it. Never called on data."""
-
-    def __init__(self, paths: tuple[str, ...]):
-        super().__init__(name="keras_mp_precision_state", dtype="float32", trainable=False)
-        self.paths = paths
-        kw = dict(trainable=False, aggregation="only_first_replica", initializer="zeros")
-        self.table = self.add_weight(shape=(len(_STATE_FIELDS), len(paths)), dtype="int32",
-                                     name="table", **kw)
-        self.calls = self.add_weight(shape=(), dtype="int64", name="calls", **kw)
-        self.built = True
-        self._last: tuple | None = None  # what was last written or read, on the host
-
-    def write(self, states: list[controller.LayerState], candidates: tuple[str, ...],
-              calls: int) -> None:
-        rows = [[candidates.index(s.dtype) for s in states]]
-        rows += [[getattr(s, f) for s in states] for f in _STATE_FIELDS[1:]]
-        self.table.assign(np.asarray(rows, np.int32))
-        self.calls.assign(calls)
-        self._last = (list(states), calls)
-
-    def restored(self, candidates: tuple[str, ...]) -> bool:
-        """Whether the variables changed since this process last wrote or read
-        them: a checkpoint was loaded into them."""
-        last = self._last  # read() replaces it
-        return last is None or self.read(candidates) != last
-
-    def read(self, candidates: tuple[str, ...]) -> tuple[list[controller.LayerState], int]:
-        table = np.asarray(keras.ops.convert_to_numpy(self.table))
-        states = [controller.LayerState(
-            candidates[min(int(table[0, i]), len(candidates) - 1)],
-            *(int(table[j, i]) for j in range(1, len(_STATE_FIELDS))))
-            for i in range(len(self.paths))]
-        calls = int(keras.ops.convert_to_numpy(self.calls))
-        self._last = (states, calls)
-        return states, calls
-
-    def call(self, inputs):  # pragma: no cover - never called on data
-        raise TypeError("_PrecisionState holds state; it is not called on data.")
-
-
 def _scale_floor(schedule: loss_scale_lib.LossScaleSchedule) -> float | None:
     """The smallest scale ``schedule`` reaches (None if unknown: every
     non-finite step then counts against the layers)."""
@@ -129,60 +96,69 @@ def _scale_floor(schedule: loss_scale_lib.LossScaleSchedule) -> float | None:
     return float(floor) if floor is not None else None
 
 
-def _attached(model: keras.Model, attr: str, cls, paths: tuple[str, ...], make):
-    """``(object, created)``: the ``cls`` attached to ``model`` as ``attr``
-    for these layer paths, attaching a new one if there is none."""
-    obj = getattr(model, attr, None)
-    if isinstance(obj, cls) and obj.paths == paths:
-        return obj, False
-    with model.distribute_strategy.scope():
-        obj = make()
-    # Bypasses Keras's tracking on purpose: tracked, it would become one of
-    # model.layers and change model.weights. Keras's saving walks plain
-    # attributes, so .keras/.weights.h5 files still carry its variables;
-    # TensorFlow's own dependency (what Keras's tracking would also have
-    # added) makes tf.train.Checkpoint(model=...) carry them too.
-    object.__setattr__(model, attr, obj)
-    model._track_trackable(obj, name=attr, overwrite=True)
-    return obj, True
+def _refresh(layer: keras.layers.Layer) -> None:
+    """Recomputes what a layer cached in its old compute dtype: Keras's
+    ``Normalization`` keeps its mean and variance as tensors cast when it was
+    adapted, so a variance of 1e10 cached in float16 stays inf after the layer
+    moves to float32 unless it is finalized again."""
+    finalize = getattr(layer, "finalize_state", None)
+    if layer.built and callable(finalize):
+        finalize()
+
+
+def _is_keras_train_step(model: keras.Model) -> bool:
+    """Whether ``model`` trains with Keras's own ``train_step`` (the probe
+    repeats what it does; a custom one may do anything)."""
+    own = model.__dict__.get("_keras_mp_train_step")
+    fn = getattr(own, "__func__", None) if own is not None else type(model).train_step
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return fn is TensorFlowTrainer.train_step
 
 
 class AdaptivePrecision(keras.callbacks.Callback):
-    """Chooses each layer's compute dtype during ``fit`` from live gradient
-    statistics (see the module docstring for what happens when).
+    """Chooses each layer's compute dtype during ``fit`` from live evidence:
+    gradient statistics, forward statistics of every layer, and a float32
+    probe for rounding loss (see the module docstring for what happens when).
 
     Args:
         interval: train-function calls between decisions, an int >= 1. Each
             decision reads a few small variables from the device once.
         statistics_every: statistics are gathered on one train-function call
-            in this many (an int in ``[1, interval]``); the others run a
-            second compiled train function without the statistics kernel.
-            None: ``min(10, max(1, interval // 10))``, about ten samples per
-            decision (every step for intervals below 20). 1 gathers them
-            every step (the most responsive, and the costliest: a pass over
-            every gradient each step).
+            in this many (an int in ``[1, interval]``); the other calls run a
+            trace without them. None: ``min(10, max(1, interval // 10))``,
+            about ten samples per decision (every step for intervals below 20).
+        probe_every: the float32 probe runs on one call in this many (an int
+            >= 1), or None for never (then demotions rest on range evidence
+            alone). Default: ``interval``, one probe per decision, on the
+            interval's last call. A probe costs about two extra forward and
+            backward passes. Models with a custom ``train_step`` get no probe.
         loss_scale: the schedule used when the callback wraps the optimizer
             (anything :class:`keras_mp.LossScaleOptimizer` accepts as
-            ``schedule``); None: ``"dynamic"`` when float16 is a candidate,
-            a fixed scale of 1 otherwise. Ignored if the optimizer already is
-            a :class:`keras_mp.LossScaleOptimizer`.
+            ``schedule``); None: ``"dynamic"`` when float16 is a candidate and
+            no wrapper otherwise. Ignored if the optimizer already is a
+            :class:`keras_mp.LossScaleOptimizer`.
         log_dir: a directory for TensorBoard scalars (per layer: compute
-            bits and key statistics; the loss scale; switches), or None.
+            bits and key statistics; the loss scale; probe errors; switches),
+            or None.
         verbose: 1 prints every switch.
 
     Attributes:
         events: every switch made so far, as dicts with ``step``, ``layer``,
             ``old``, ``new`` and ``reason``.
 
-    Use in a custom training loop: call :meth:`set_model` once (it wraps
-    ``model.optimizer``; use that optimizer's ``scale_loss`` and ``apply``),
-    then :meth:`step_end` after each step; when it returns switches, trace the
-    train step again (e.g. build a new ``tf.function``). There statistics
-    are gathered on every step (``statistics_every`` applies to ``fit``).
+    Use in a custom training loop: call :meth:`set_model` once (it wraps or
+    observes ``model.optimizer``; use its ``scale_loss`` if it has one, and
+    ``apply``), call the model with ``training=True``, then :meth:`step_end`
+    after each step; when it returns switches, trace the train step again
+    (e.g. build a new ``tf.function``). There statistics are gathered on
+    every step; call :meth:`probe` with a batch now and then for the float32
+    probe.
     """
 
     def __init__(self, interval: int = 100, *, statistics_every: int | None = None,
-                 loss_scale: Any = None, log_dir: str | None = None, verbose: int = 0):
+                 probe_every: int | None | str = "interval", loss_scale: Any = None,
+                 log_dir: str | None = None, verbose: int = 0):
         super().__init__()
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"`interval` must be an int >= 1, got {interval!r}.")
@@ -194,6 +170,11 @@ class AdaptivePrecision(keras.callbacks.Callback):
                 or not 1 <= statistics_every <= interval:
             raise ValueError("`statistics_every` must be an int in [1, interval] = "
                              f"[1, {interval}], got {statistics_every!r}.")
+        if probe_every == "interval":
+            probe_every = interval
+        if probe_every is not None and (isinstance(probe_every, bool)
+                                        or not isinstance(probe_every, int) or probe_every < 1):
+            raise ValueError(f"`probe_every` must be an int >= 1 or None, got {probe_every!r}.")
         if log_dir is not None and not isinstance(log_dir, str):
             raise TypeError(f"`log_dir` must be a path string or None, got {log_dir!r}.")
         if verbose not in (0, 1):
@@ -208,16 +189,20 @@ class AdaptivePrecision(keras.callbacks.Callback):
                 ) from e
         self.interval = interval
         self.statistics_every = statistics_every
-        self._functions: tuple | None = None
+        self.probe_every = probe_every
         self.loss_scale = loss_scale
         self.log_dir = log_dir
         self.verbose = verbose
         self.events: list[dict[str, Any]] = []
+        self._functions: tuple | None = None
         self._writer = None
         self._policy: policies.AdaptivePolicy | None = None
+        self._inert = False
         self._calls = 0
+        self._decided_at = 0
         self._epoch_switches = 0
         self._restored = False
+        self._probe_fn = None
 
     # -- set-up ------------------------------------------------------------
 
@@ -231,21 +216,35 @@ class AdaptivePrecision(keras.callbacks.Callback):
                 "'adaptive_float16', or an AdaptivePolicy) before building the model.")
         layers = policies.adaptive_layers(model, policy)
         if not layers:
-            raise ValueError("AdaptivePrecision found no layer with trainable variables under "
-                             "the model's AdaptivePolicy.")
+            raise ValueError("AdaptivePrecision found no layer under the model's "
+                             "AdaptivePolicy (quantized layers and models do not count).")
         self._policy = policy
+        self._layers = layers
         self._paths = tuple(layer.path for layer in layers)
-        self._stats, _ = _attached(model, _STATS_ATTR, LayerStatistics, self._paths,
-                                   lambda: LayerStatistics(layers))
-        self._state, created = _attached(model, _STATE_ATTR, _PrecisionState, self._paths,
-                                         lambda: _PrecisionState(self._paths))
+        # Nothing to adapt: nothing runs (the step is plain Keras float32).
+        self._inert = len(policy.candidates) == 1
+        if self._inert:
+            return
+        hooks = getattr(model, _HOOKS_ATTR, None)
+        if not isinstance(hooks, Hooks) or [id(x) for x in hooks.layers] != \
+                [id(x) for x in layers]:
+            hooks = Hooks(model, layers)
+            object.__setattr__(model, _HOOKS_ATTR, hooks)
+        self._hooks = hooks
+        self._stats, _ = attached(model, _STATS_ATTR, LayerStatistics, self._paths,
+                                  lambda: LayerStatistics(layers))
+        object.__setattr__(self._stats, "hooks", hooks)
+        self._state, created = attached(model, _STATE_ATTR, PrecisionState, self._paths,
+                                        lambda: PrecisionState(self._paths))
         if created or not self._state.restored(policy.candidates):
             # Otherwise a checkpoint was just loaded into the variables: keep
             # them for on_epoch_begin to adopt.
             self._state.write(self._states(), policy.candidates, self._calls)
-        optimizer = self._wrap_optimizer(model)
-        self._stats.scale_floor = _scale_floor(optimizer.schedule)
-        optimizer.statistics_sink = self._stats.accumulate
+        optimizer = self._connect_optimizer(model)
+        self._probe_fn = self._make_probe() if _is_keras_train_step(model) else None
+        hooks.probe_fn = self._probe_fn
+        # Custom loops (and later traces): statistics on every training call.
+        hooks.forward = True
         if optimizer is not getattr(self, "_optimizer", None) or model.train_function is None:
             # Recompiled, wrapped just now, or reset by the user: trace anew.
             # Otherwise a later fit reuses the traces of the last one.
@@ -253,18 +252,30 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._optimizer = optimizer
         self._restored = False
 
-    def _wrap_optimizer(self, model: keras.Model) -> LossScaleOptimizer:
+    def _connect_optimizer(self, model: keras.Model):
+        """Wraps the optimizer in a LossScaleOptimizer where loss scaling is
+        needed, or observes its ``apply``; returns the optimizer to use."""
         opt = getattr(model, "optimizer", None)
         if opt is None:
             raise ValueError("AdaptivePrecision needs a compiled model (model.compile(...)) "
                              "or, in a custom loop, model.optimizer set.")
+        sink = self._stats.accumulate
+        if not isinstance(opt, LossScaleOptimizer) and (
+                self._policy.uses_float16 or self.loss_scale is not None
+                or isinstance(opt, keras.optimizers.LossScaleOptimizer)):
+            opt = self._wrap_optimizer(model, opt)
         if isinstance(opt, LossScaleOptimizer):
-            return opt
+            self._stats.scale_floor = _scale_floor(opt.schedule)
+            opt.statistics_sink = sink
+        else:
+            self._stats.scale_floor = None
+            self._hooks.hook_optimizer(opt, sink)
+        return opt
+
+    def _wrap_optimizer(self, model: keras.Model, opt) -> LossScaleOptimizer:
         inner = opt.inner_optimizer if isinstance(opt, keras.optimizers.LossScaleOptimizer) \
             else opt
-        schedule = self.loss_scale
-        if schedule is None:
-            schedule = "dynamic" if self._policy.uses_float16 else loss_scale_lib.FixedLossScale(1.0)
+        schedule = self.loss_scale if self.loss_scale is not None else "dynamic"
         with model.distribute_strategy.scope():
             wrapped = LossScaleOptimizer(inner, schedule=schedule)
             wrapped.build(model.trainable_variables)
@@ -277,6 +288,25 @@ class AdaptivePrecision(keras.callbacks.Callback):
         # A train function traced before the wrap would keep the old optimizer.
         model.train_function = None
         return wrapped
+
+    def _make_probe(self):
+        model, policy, layers = self.model, self._policy, self._layers
+
+        def run(data):
+            opt = model.optimizer
+            scale = opt.loss_scale if isinstance(opt, LossScaleOptimizer) else 1.0
+            return probe_lib.probe(model, data, policy, layers, scale=scale,
+                                   trial=self._trial_dtypes())
+        return run
+
+    def _trial_dtypes(self) -> dict[str, str]:
+        """Layers on trial, in the narrower dtype they are tried in."""
+        order = self._policy.candidates
+        out = {}
+        for path, st in zip(self._paths, self._states()):
+            if st.trial and order.index(st.dtype) > 0:
+                out[path] = order[order.index(st.dtype) - 1]
+        return out
 
     # -- state -------------------------------------------------------------
 
@@ -295,19 +325,20 @@ class AdaptivePrecision(keras.callbacks.Callback):
         """Adopts the state variables if they differ from the policy: a
         checkpoint (e.g. ``BackupAndRestore``) was loaded into them."""
         states, calls = self._state.read(self._policy.candidates)
-        self._calls = calls
+        self._calls = self._decided_at = calls
         if states == self._states():
             return
         changed = False
-        for path, state in zip(self._paths, states):
+        for layer, path, state in zip(self._layers, self._paths, states):
             changed |= self._policy.dtype_of(path) != state.dtype
             self._policy.assign(path, state.dtype)
+            _refresh(layer)
             self._policy.record(path)["state"] = state.get_config()
         if changed:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._functions = None  # both train functions are rebuilt at the next step
+        self._functions = None  # the train functions are rebuilt at the next step
         model = self.model
         if getattr(model, "train_function", None) is not None:
             model.make_train_function(force=True)
@@ -315,29 +346,33 @@ class AdaptivePrecision(keras.callbacks.Callback):
         model.predict_function = None
 
     def _train_functions(self) -> tuple:
-        """(with statistics, without), each traced on its first call.
+        """(plain, statistics, probe), each traced on its first call.
 
-        The optimizer reads ``statistics_sink`` when the step is traced, so
-        each wrapper sets it before calling: the first call traces with the
-        sink (or without), later calls reuse that trace.
+        What a step records is decided when it is traced: each wrapper sets
+        the hooks' flags (and the optimizer's sink) around its call; the
+        first call traces, later calls reuse that trace.
         """
         if self._functions is None:
-            model, opt, sink = self.model, self._optimizer, self._stats.accumulate
+            model, opt, hooks, sink = self.model, self._optimizer, self._hooks, \
+                self._stats.accumulate
+            own_sink = isinstance(opt, LossScaleOptimizer)
 
-            def bind(fn, value):
+            def variant(forward: bool, probe: bool):
+                model.make_train_function(force=True)
+                fn = model.train_function
+
                 def call(*args, **kwargs):
-                    opt.statistics_sink = value
-                    return fn(*args, **kwargs)
+                    if own_sink:
+                        opt.statistics_sink = sink if forward else None
+                    with hooks.recording(forward=forward, probe=probe):
+                        return fn(*args, **kwargs)
                 return call
 
-            model.make_train_function(force=True)
-            with_stats = bind(model.train_function, sink)
-            if self.statistics_every == 1:
-                without = with_stats
-            else:
-                model.make_train_function(force=True)
-                without = bind(model.train_function, None)
-            self._functions = (with_stats, without)
+            plain = variant(False, False)
+            stats = variant(True, False)
+            probe = variant(True, True) if self._probe_fn is not None and self.probe_every \
+                else stats
+            self._functions = (plain, stats, probe)
         return self._functions
 
     # -- Keras hooks -------------------------------------------------------
@@ -346,6 +381,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._restored = False
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self._inert:
+            return
         if not self._restored:
             # Not in on_train_begin: BackupAndRestore may restore after us there.
             self._restore_from_variables()
@@ -353,15 +390,21 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._epoch_switches = 0
 
     def on_train_batch_begin(self, batch, logs=None):
-        # Statistics cost a pass over every gradient; sampling them keeps a
-        # well-behaved run's step close to plain mixed precision.
-        sample = (self._calls + 1) % self.statistics_every == 0
-        self.model.train_function = self._train_functions()[0 if sample else 1]
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.step_end()
+        # Counting and deciding here, not in on_train_batch_end: a callback
+        # with a batch-end hook makes Keras wait for every step's logs.
+        if self._inert:
+            return
+        self._decide_if_due()
+        call = self._calls + 1
+        probe = self.probe_every is not None and call % self.probe_every == 0
+        stats = probe or call % self.statistics_every == 0
+        self.model.train_function = self._train_functions()[2 if probe else 1 if stats else 0]
+        self._calls = call
 
     def on_epoch_end(self, epoch, logs=None):
+        if self._inert:
+            return
+        self._decide_if_due()
         if logs is not None:
             logs["precision_switches"] = self._epoch_switches
             narrow = self._policy.candidates[0]
@@ -369,25 +412,60 @@ class AdaptivePrecision(keras.callbacks.Callback):
                 self._policy.dtype_of(p) == narrow for p in self._paths)
 
     def on_train_end(self, logs=None):
-        # Custom loops and later fits see the sink set, as after set_model.
-        self._optimizer.statistics_sink = self._stats.accumulate
+        if self._inert:
+            return
+        self._decide_if_due()
+        # Custom loops and later traces see the statistics on, as after set_model.
+        if isinstance(self._optimizer, LossScaleOptimizer):
+            self._optimizer.statistics_sink = self._stats.accumulate
+        self._hooks.forward = True
         if self._writer is not None:
             self._writer.flush()
 
     # -- decisions ---------------------------------------------------------
 
+    def _decide_if_due(self) -> None:
+        if self._calls and self._calls % self.interval == 0 and self._decided_at != self._calls:
+            self._decided_at = self._calls
+            self.update()
+
     def step_end(self) -> list[dict[str, Any]]:
-        """Counts one train-function call; every ``interval`` calls, decides.
+        """Counts one train step of a custom loop; every ``interval`` calls, decides.
 
         Returns:
             The switches made now (usually none).
         """
         if self._policy is None:
             raise ValueError("Call set_model(model) before step_end().")
+        if self._inert:
+            return []
         self._calls += 1
         if self._calls % self.interval:
             return []
+        self._decided_at = self._calls
         return self.update()
+
+    def probe(self, data) -> None:
+        """Runs the float32 probe on one batch (custom loops; ``fit`` probes by
+        itself every ``probe_every`` calls). Nothing is applied; the result
+        joins the interval's statistics.
+
+        Args:
+            data: a batch, ``x``, ``(x, y)`` or ``(x, y, sample_weight)``.
+        """
+        if self._policy is None:
+            raise ValueError("Call set_model(model) before probe().")
+        if self._inert:
+            return
+        if getattr(self, "_probe_step", None) is None:
+            run = self._make_probe()
+            stats = self._stats
+
+            @tf.function
+            def step(batch):
+                stats.accumulate_probe(run(batch))
+            self._probe_step = step
+        self._probe_step(data)
 
     def update(self) -> list[dict[str, Any]]:
         """Decides now on the statistics accumulated since the last decision,
@@ -396,36 +474,75 @@ class AdaptivePrecision(keras.callbacks.Callback):
         Returns:
             The switches made, as dicts (see :attr:`events`).
         """
+        if self._inert:
+            return []
         interval = self._stats.read()
         self._stats.reset()
-        if interval.steps == 0:
+        if interval.steps == 0 and interval.probe_steps == 0:
             return []
         policy = self._policy
-        decision = controller.decide(interval.layers, self._states(), policy.candidates,
-                                     policy.rule, all_nonfinite=interval.all_nonfinite)
+        order = self._forward_order()
+        states = self._states()
+        decision = controller.decide(
+            [interval.layers[i] for i in order], [states[i] for i in order],
+            policy.candidates, policy.rule, all_nonfinite=interval.all_nonfinite,
+            probe_steps=interval.probe_steps, probe_loss_error=interval.probe_loss_error,
+            validate_demotions=self._probe_fn is not None and self.probe_every is not None)
+        new_states = list(states)
+        for k, st in zip(order, decision.states):
+            new_states[k] = st
         made = []
-        for sw in decision.switches:
-            path = self._paths[sw.layer]
-            policy.assign(path, sw.new)
-            event = {"step": self._calls, "layer": path, "old": sw.old, "new": sw.new,
-                     "reason": sw.reason}
+        switches = [(order[sw.layer], sw.old, sw.new, sw.reason) for sw in decision.switches]
+        rank = policy.candidates.index
+        for k, old, dtype, reason in list(switches):
+            if rank(dtype) < rank(old):
+                continue
+            # A composite layer (MultiHeadAttention, a block) promoted takes
+            # its sublayers along: its computation runs in theirs too (the
+            # attention scores come out of the query and key projections).
+            prefix = self._paths[k] + "/"
+            for j, path in enumerate(self._paths):
+                st = new_states[j]
+                if path.startswith(prefix) and rank(st.dtype) < rank(dtype):
+                    switches.append((j, st.dtype, dtype, "with_parent"))
+                    new_states[j] = controller.LayerState(
+                        dtype, cooldown=policy.rule.cooldown, switches=st.switches + 1,
+                        strikes=st.strikes + 1)
+        for k, old, dtype, reason in switches:
+            path = self._paths[k]
+            policy.assign(path, dtype)
+            _refresh(self._layers[k])
+            event = {"step": self._calls, "layer": path, "old": old, "new": dtype,
+                     "reason": reason}
             policy.record(path).setdefault("history", []).append(
-                {k: v for k, v in event.items() if k != "layer"})
+                {key: v for key, v in event.items() if key != "layer"})
             made.append(event)
             if self.verbose:
-                print(f"keras_mp: {path}: {sw.old} -> {sw.new} ({sw.reason}) "
-                      f"at call {self._calls}")
-        for path, state, stats in zip(self._paths, decision.states, interval.layers):
+                print(f"keras_mp: {path}: {old} -> {dtype} ({reason}) at call {self._calls}")
+        trials_changed = [s.trial for s in states] != [s.trial for s in new_states]
+        for path, state, stats in zip(self._paths, new_states, interval.layers):
             record = policy.record(path)
             record["state"] = state.get_config()
             record["stats"] = {k: v for k, v in vars(stats).items()}
-        self._state.write(list(decision.states), policy.candidates, self._calls)
+            if stats.probe_steps:
+                record["probe"] = {
+                    "loss_error": interval.probe_loss_error, "grad_error": stats.grad_error,
+                    "cosine": stats.cosine,
+                    "sensitive": stats.grad_error > policy.rule.max_probe_grad_error}
+        for position, i in enumerate(order):
+            policy.record(self._paths[i])["position"] = position
+        self._state.write(new_states, policy.candidates, self._calls)
         self.events.extend(made)
         self._epoch_switches += len(made)
         self._log(interval, made)
-        if made:
+        if made or trials_changed:
             self._rebuild()
         return made
+
+    def _forward_order(self) -> list[int]:
+        """Layer indices in forward order (as last traced), input first."""
+        seen = [i for i in self._hooks.call_order if i < len(self._paths)]
+        return seen + [i for i in range(len(self._paths)) if i not in seen]
 
     def _log(self, interval: IntervalStats, made: list[dict[str, Any]]) -> None:
         if self.log_dir is None:
@@ -435,7 +552,14 @@ class AdaptivePrecision(keras.callbacks.Callback):
         with self._writer.as_default(step=self._calls):
             _scalar("precision/switches", len(made))
             _scalar("precision/loss_scale", interval.mean_scale)
+            if interval.probe_steps:
+                _scalar("precision/probe_loss_error", interval.probe_loss_error)
             for path, stats in zip(self._paths, interval.layers):
                 _scalar(f"precision/{path}/bits", _BITS[self._policy.dtype_of(path)])
-                for key in ("nonfinite", "fp16_subnormal", "fp16_overflow", "bf16_subnormal"):
+                keys = ["in_amax", "out_amax", "in_range", "out_nonfinite", "out_flushed"]
+                if stats.gradients:
+                    keys += ["nonfinite", "fp16_subnormal", "fp16_overflow", "bf16_subnormal"]
+                if stats.probe_steps:
+                    keys += ["grad_error", "cosine"]
+                for key in keys:
                     _scalar(f"precision/{path}/{key}", getattr(stats, key))

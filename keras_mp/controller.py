@@ -1,44 +1,62 @@
 """The decision rule of the adaptive precision policy: a pure function.
 
-:func:`decide` maps one interval's per-layer gradient statistics and each
-layer's state to the layers' next state and the switches to make. It holds no
-TensorFlow state and does no I/O, so it is tested on synthetic statistics and
-the callback only feeds it and applies its answer.
+:func:`decide` maps one interval's per-layer evidence (gradient statistics,
+forward statistics, float32-probe errors) and each layer's state to the
+layers' next state and the switches to make. It holds no TensorFlow state and
+does no I/O, so it is tested on synthetic statistics and the callback only
+feeds it and applies its answer.
 
-The rule, per interval (layers are given in forward order, input first):
+The rule, per interval (layers are given in forward order, input first; at
+most one promotion per interval comes from each of rules 1, 2 and 5, since
+the next interval re-checks):
 
-1. **Whole-step failures.** If, in more than ``max_nonfinite`` of the
-   interval's steps, *every* layer's gradients were non-finite, the loss itself
-   was non-finite: some activation left a narrow dtype's range in the forward
-   pass. Gradients cannot say which layer did it (the non-finite loss reaches
-   them all), so the input-most narrow layer is promoted, one per interval:
-   range problems most often enter with the data (unnormalized features,
-   embeddings, the first normalization). The next interval tells whether that
-   was enough; if not, the next layer follows.
-2. **Partial non-finite gradients.** If some layers' gradients were
-   non-finite in more than ``max_nonfinite`` of the steps while others were
-   finite, the overflow happened in the backward pass, which runs from the
-   output to the input: the output-most non-finite layer is where it started,
-   and it is promoted. (An isolated overflow at a too-large loss scale is the
-   loss scaler's business: it backs off after one step, far below the
-   threshold.)
-3. **Range and precision.** A float16 layer whose scaled gradients are
-   float16 subnormals in more than ``max_fp16_subnormal`` of their elements
-   is losing them to underflow (the loss scale cannot rise further without
-   overflowing another layer); a bfloat16 layer with more than
-   ``max_bf16_subnormal`` below bfloat16's normal range likewise. Each such
-   layer is promoted.
+1. **Forward range** (reason ``input_range``, ``output_nonfinite`` or
+   ``output_near_max``). The forward pass runs input to output, so once a value
+   leaves a narrow dtype's range every later layer sees the damage: the
+   *input-most* layer whose cast input was non-finite or beyond its dtype's
+   largest value, or whose output was non-finite or within a factor 16 of
+   it, in more than ``max_nonfinite`` (``max_near_max``) of the observed
+   steps, is promoted. This covers layers without weights (``Rescaling``,
+   ``Normalization``, ``Softmax``, ...), where the cast often is.
+2. **Non-finite gradients.** If, in more than ``max_nonfinite`` of the
+   steps, *every* layer's gradients were non-finite and no forward statistic
+   says where (``nonfinite_everywhere``), the input-most narrow layer is
+   promoted: a heuristic, used only without forward evidence. Otherwise
+   (some layers non-finite, or the forward pass clean) the overflow happened
+   in the backward pass, which runs output to input: the output-most
+   non-finite layer is promoted (``nonfinite``). An isolated overflow at a
+   too-large loss scale is the loss scaler's business (non-finite steps count
+   only at the scale's floor).
+3. **Underflow.** A float16 layer whose scaled gradients are float16
+   subnormals in more than ``max_fp16_subnormal`` of their elements, a
+   bfloat16 layer with more than ``max_bf16_subnormal`` below bfloat16's
+   normal range (``fp16_subnormal``, ``bf16_subnormal``), or a narrow layer
+   with more than ``max_flushed`` of its outputs flushed to subnormals
+   (``output_flushed``) is promoted.
 4. **Demotion.** Any other layer had a healthy interval. After ``patience``
-   consecutive healthy intervals (doubled for each earlier promotion of the
-   layer) and no cool-down left, it moves to the next narrower candidate if
-   its statistics say the gradients fit there with margin (``hysteresis``
-   times the promotion thresholds, no overflow, nothing non-finite).
+   consecutive healthy intervals (doubled for each strike) and no cool-down
+   left, a layer whose statistics fit the next narrower candidate with
+   margin (``hysteresis`` times the thresholds: gradients, and forward
+   amaxes below the narrower dtype's largest value / 16) is demoted
+   (``healthy``) or, with ``validate_demotions``, put **on trial**: the next
+   probe runs with it narrowed (one trial at a time).
+5. **Probe** (rounding, which range statistics cannot see). With probe
+   results in the interval: layers on trial are demoted (``probe_validated``)
+   if the loss error and every layer's gradient error stayed below
+   ``hysteresis`` times ``max_probe_loss_error`` / ``max_probe_grad_error``,
+   and otherwise stay, with a strike. Without a trial, if the loss error
+   exceeds ``max_probe_loss_error`` or a layer's gradient error exceeds
+   ``max_probe_grad_error``, the *output-most* narrow layer whose gradient
+   error exceeds ``hysteresis`` times that threshold (else the output-most
+   narrow layer with gradients) is promoted (``probe_error``): rounding errors
+   enter the backward pass at the output and reach every layer below it. The
+   next probe re-checks.
 
 Never oscillating: a switch starts a ``cooldown`` of intervals without
-demotion; a layer promoted ``max_strikes`` times is pinned; a layer that has
-switched ``max_switches`` times is never demoted again. Promotion on trouble is
-never blocked (a diverging run is worse than a slow one); it moves towards
-float32, so it too is bounded.
+demotion; a layer with ``max_strikes`` strikes (promotions and failed trials)
+is pinned; a layer that has switched ``max_switches`` times is never demoted
+again. Promotion on trouble is never blocked (a diverging run is worse than a
+slow one); it moves towards float32, so it too is bounded.
 
 Example:
     >>> from keras_mp.controller import LayerState, LayerStats, decide
@@ -87,6 +105,12 @@ def _fraction(name: str, value: float) -> float:
     return float(value)
 
 
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e30:
+        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.")
+    return float(value)
+
+
 def _count(name: str, value: int, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
@@ -104,6 +128,15 @@ class DecisionRule:
         max_fp16_subnormal: fraction of a float16 layer's gradient elements in
             float16's subnormal range above which it is promoted.
         max_bf16_subnormal: the same for bfloat16's subnormal range.
+        max_near_max: fraction of a layer's observed steps with an output
+            within a factor 16 of its dtype's largest value, above which it is
+            promoted.
+        max_flushed: fraction of a narrow layer's output elements flushed to
+            subnormals above which it is promoted.
+        max_probe_loss_error: the probe's loss relative error (configured
+            dtypes vs float32) above which rounding costs accuracy.
+        max_probe_grad_error: a layer's gradient relative error in the probe
+            above which it is where rounding hurts.
         hysteresis: demotion requires the statistics to be below this
             fraction of the promotion thresholds, in (0, 1].
         patience: healthy intervals before a demotion, >= 1.
@@ -120,6 +153,10 @@ class DecisionRule:
     max_nonfinite: float = 0.25
     max_fp16_subnormal: float = 0.25
     max_bf16_subnormal: float = 0.25
+    max_near_max: float = 0.25
+    max_flushed: float = 0.5
+    max_probe_loss_error: float = 0.1
+    max_probe_grad_error: float = 0.5
     hysteresis: float = 0.5
     patience: int = 8
     cooldown: int = 2
@@ -127,8 +164,11 @@ class DecisionRule:
     max_strikes: int = 2
 
     def __post_init__(self):
-        for name in ("max_nonfinite", "max_fp16_subnormal", "max_bf16_subnormal", "hysteresis"):
+        for name in ("max_nonfinite", "max_fp16_subnormal", "max_bf16_subnormal", "max_near_max",
+                     "max_flushed", "hysteresis"):
             _fraction(name, getattr(self, name))
+        for name in ("max_probe_loss_error", "max_probe_grad_error"):
+            _positive(name, getattr(self, name))
         if self.hysteresis == 0:
             raise ValueError("`hysteresis` must be in (0, 1], got 0.")
         _count("patience", self.patience, 1)
@@ -146,10 +186,13 @@ class DecisionRule:
 
 @dataclasses.dataclass(frozen=True)
 class LayerStats:
-    """One layer's gradient statistics over one interval.
+    """One layer's evidence over one interval.
 
     Attributes:
-        steps: steps in the interval (0: no statistics, the layer is left alone).
+        steps: statistics steps in the interval (0, with ``forward_steps``
+            0 too: no statistics, the layer is left alone).
+        gradients: whether the layer has gradients (trainable variables);
+            the gradient fields below are not measured if not.
         nonfinite: fraction of the steps in which any of its gradients held
             inf or nan.
         amax: largest finite unscaled gradient magnitude.
@@ -157,9 +200,18 @@ class LayerStats:
             fractions of its gradient elements, averaged over the steps (see
             :mod:`keras_mp.kernels`); the float16 ones are of the loss-scaled
             gradients.
+        forward_steps: steps in which the layer's call was observed.
+        in_amax, out_amax, in_range, out_nonfinite, out_near_max, out_flushed:
+            forward statistics (see :mod:`keras_mp.forward`): amaxes over the
+            interval, the others fractions of the observed steps (the flushed
+            fraction: of output elements, averaged).
+        probe_steps: float32 probes in the interval that measured this layer.
+        grad_error: mean relative error of its gradient in the probe.
+        cosine: mean cosine between its gradient and the float32 one.
     """
 
     steps: int = 0
+    gradients: bool = True
     nonfinite: float = 0.0
     amax: float = 0.0
     fp16_underflow: float = 0.0
@@ -167,6 +219,16 @@ class LayerStats:
     fp16_overflow: float = 0.0
     bf16_subnormal: float = 0.0
     zero: float = 0.0
+    forward_steps: int = 0
+    in_amax: float = 0.0
+    out_amax: float = 0.0
+    in_range: float = 0.0
+    out_nonfinite: float = 0.0
+    out_near_max: float = 0.0
+    out_flushed: float = 0.0
+    probe_steps: int = 0
+    grad_error: float = 0.0
+    cosine: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +240,9 @@ class LayerState:
         healthy: consecutive healthy intervals.
         cooldown: intervals left before it may be demoted.
         switches: switches so far.
-        strikes: promotions so far.
+        strikes: promotions and failed trials so far.
+        trial: 1 while the layer is on trial for a demotion (the next probe
+            runs it in the next narrower candidate), else 0.
     """
 
     dtype: str
@@ -186,11 +250,12 @@ class LayerState:
     cooldown: int = 0
     switches: int = 0
     strikes: int = 0
+    trial: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPE_ORDER:
             raise ValueError(f"`dtype` must be one of {DTYPE_ORDER}, got {self.dtype!r}.")
-        for name in ("healthy", "cooldown", "switches", "strikes"):
+        for name in ("healthy", "cooldown", "switches", "strikes", "trial"):
             _count(name, getattr(self, name), 0)
 
     def get_config(self) -> dict[str, Any]:
@@ -215,14 +280,39 @@ class Decision:
     switches: tuple[Switch, ...]
 
 
+#: The largest finite value of each candidate (see :mod:`keras_mp.forward`).
+_DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028235e38}
+#: :data:`keras_mp.forward.NEAR_MAX`.
+_NEAR_MAX = 16.0
+
+
 def _promote(state: LayerState, dtype: str, rule: DecisionRule) -> LayerState:
     return LayerState(dtype, healthy=0, cooldown=rule.cooldown,
                       switches=state.switches + 1, strikes=state.strikes + 1)
 
 
+def _forward_trouble(s: LayerStats, rule: DecisionRule) -> str | None:
+    """Why the forward statistics say the layer left its dtype's range, or None."""
+    if s.forward_steps == 0:
+        return None
+    if s.in_range > rule.max_nonfinite:
+        return "input_range"
+    if s.out_nonfinite > rule.max_nonfinite:
+        return "output_nonfinite"
+    if s.out_near_max > rule.max_near_max:
+        return "output_near_max"
+    return None
+
+
 def _fits(dtype: str, s: LayerStats, rule: DecisionRule) -> bool:
-    """Whether gradients with statistics ``s`` would be healthy in ``dtype``,
+    """Whether a layer with statistics ``s`` would be healthy in ``dtype``,
     with the hysteresis margin."""
+    if s.forward_steps:
+        limit = rule.hysteresis * _DTYPE_MAX[dtype] / _NEAR_MAX
+        if s.in_range > 0 or s.out_nonfinite > 0 or max(s.in_amax, s.out_amax) > limit:
+            return False
+    if not s.gradients:
+        return True
     if s.nonfinite > 0:
         return False
     if dtype == "float16":
@@ -233,9 +323,16 @@ def _fits(dtype: str, s: LayerStats, rule: DecisionRule) -> bool:
     return True
 
 
+def _probe_bad(stats: Sequence[LayerStats], loss_error: float, rule: DecisionRule,
+               margin: float = 1.0) -> bool:
+    return loss_error > margin * rule.max_probe_loss_error or any(
+        s.probe_steps and s.grad_error > margin * rule.max_probe_grad_error for s in stats)
+
+
 def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
            candidates: Sequence[str], rule: DecisionRule | None = None, *,
-           all_nonfinite: float = 0.0) -> Decision:
+           all_nonfinite: float = 0.0, probe_steps: float = 0,
+           probe_loss_error: float = 0.0, validate_demotions: bool = False) -> Decision:
     """Applies the rule (see the module docstring) to one interval.
 
     Args:
@@ -245,6 +342,11 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
         rule: the thresholds; ``DecisionRule()`` when None.
         all_nonfinite: fraction of the interval's steps in which every
             layer's gradients were non-finite.
+        probe_steps: float32 probes run in the interval (0: none).
+        probe_loss_error: their mean loss relative error.
+        validate_demotions: demote only after a probe with the layer narrowed
+            (a trial) stayed under the thresholds; False demotes on range
+            evidence alone (for callers that run no probe).
 
     Returns:
         A :class:`Decision`.
@@ -258,6 +360,19 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
         ...     st = d.states
         >>> st[0].dtype, d.switches[0].reason
         ('bfloat16', 'healthy')
+
+    The same with probe validation: first a trial, then the probe decides:
+        >>> st = [LayerState("float32")]
+        >>> for _ in range(2):
+        ...     st = decide([LayerStats(steps=5)], st, ("bfloat16", "float32"), rule,
+        ...                 validate_demotions=True).states
+        >>> st[0].dtype, st[0].trial
+        ('float32', 1)
+        >>> d = decide([LayerStats(steps=5, probe_steps=1, grad_error=0.01)], st,
+        ...            ("bfloat16", "float32"), rule, probe_steps=1, probe_loss_error=0.001,
+        ...            validate_demotions=True)
+        >>> d.states[0].dtype, d.switches[0].reason
+        ('bfloat16', 'probe_validated')
     """
     rule = rule or DecisionRule()
     order = sort_candidates(candidates)
@@ -269,6 +384,12 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
             raise ValueError(f"A layer state's dtype must be one of the candidates {order}, "
                              f"got {s.dtype!r}.")
     _fraction("all_nonfinite", all_nonfinite)
+    if isinstance(probe_steps, bool) or not isinstance(probe_steps, (int, float)) \
+            or probe_steps < 0:
+        raise ValueError(f"`probe_steps` must be a number >= 0, got {probe_steps!r}.")
+    if isinstance(probe_loss_error, bool) or not isinstance(probe_loss_error, (int, float)) \
+            or not probe_loss_error >= 0:
+        raise ValueError(f"`probe_loss_error` must be a number >= 0, got {probe_loss_error!r}.")
 
     def wider(dtype: str) -> str | None:
         i = order.index(dtype)
@@ -281,7 +402,8 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
     new = list(states)
     switches: list[Switch] = []
     troubled: set[int] = set()
-    measured = [i for i, s in enumerate(stats) if s.steps > 0]
+    measured = [i for i, s in enumerate(stats) if s.steps > 0 or s.forward_steps > 0]
+    with_grads = [i for i in measured if stats[i].gradients and stats[i].steps > 0]
 
     def promote(i: int, reason: str) -> None:
         target = wider(new[i].dtype)
@@ -289,46 +411,96 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
             switches.append(Switch(i, new[i].dtype, target, reason))
             new[i] = _promote(new[i], target, rule)
 
-    if measured and all_nonfinite > rule.max_nonfinite:
-        troubled.update(measured)
-        first = next((i for i in measured if wider(new[i].dtype) is not None), None)
-        if first is not None:
-            promote(first, "nonfinite_everywhere")
-    else:
-        bad = [i for i in measured if stats[i].nonfinite > rule.max_nonfinite]
-        troubled.update(bad)
-        last = next((i for i in reversed(bad) if wider(new[i].dtype) is not None), None)
-        if last is not None:
-            promote(last, "nonfinite")
-        for i in measured:
-            if i in troubled:
-                continue
-            s, dtype = stats[i], new[i].dtype
-            if dtype == "float16" and s.fp16_subnormal > rule.max_fp16_subnormal:
-                troubled.add(i)
-                promote(i, "fp16_subnormal")
-            elif dtype == "bfloat16" and s.bf16_subnormal > rule.max_bf16_subnormal:
-                troubled.add(i)
-                promote(i, "bf16_subnormal")
+    def can_widen(i: int) -> bool:
+        return wider(new[i].dtype) is not None
 
-    switched = {sw.layer for sw in switches}
+    # 1. forward range: input-most
+    forward_bad = [(i, r) for i in measured if (r := _forward_trouble(stats[i], rule))]
+    troubled.update(i for i, _ in forward_bad)
+    first = next(((i, r) for i, r in forward_bad if can_widen(i)), None)
+    if first is not None:
+        promote(*first)
+    # 2. non-finite gradients
+    everywhere = with_grads and all_nonfinite > rule.max_nonfinite
+    bad = [i for i in with_grads if stats[i].nonfinite > rule.max_nonfinite]
+    troubled.update(bad)
+    if everywhere:
+        troubled.update(measured)
+    if not switches:
+        observed = any(stats[i].forward_steps for i in measured)
+        if everywhere and not observed:
+            first_i = next((i for i in with_grads if can_widen(i)), None)
+            if first_i is not None:
+                promote(first_i, "nonfinite_everywhere")
+        else:
+            last = next((i for i in reversed(bad) if can_widen(i)), None)
+            if last is None and everywhere:
+                last = next((i for i in reversed(with_grads) if can_widen(i)), None)
+            if last is not None:
+                promote(last, "nonfinite")
+    # 3. underflow
     for i in measured:
-        if i in switched:
+        if i in troubled:
+            continue
+        s, dtype = stats[i], new[i].dtype
+        reason = None
+        if s.gradients and dtype == "float16" and s.fp16_subnormal > rule.max_fp16_subnormal:
+            reason = "fp16_subnormal"
+        elif s.gradients and dtype == "bfloat16" and s.bf16_subnormal > rule.max_bf16_subnormal:
+            reason = "bf16_subnormal"
+        elif s.forward_steps and dtype != "float32" and s.out_flushed > rule.max_flushed:
+            reason = "output_flushed"
+        if reason is not None:
+            troubled.add(i)
+            promote(i, reason)
+    # 5. probe: trials first, then rounding trouble
+    trials = [i for i, st in enumerate(new) if st.trial]
+    validated: set[int] = set()
+    if probe_steps > 0 and trials:
+        if troubled or _probe_bad(stats, probe_loss_error, rule, rule.hysteresis):
+            for i in trials:  # rejected: a strike, and a cool-down
+                new[i] = dataclasses.replace(new[i], trial=0, healthy=0, cooldown=rule.cooldown,
+                                             strikes=new[i].strikes + 1)
+        else:
+            for i in trials:
+                target = narrower(new[i].dtype)
+                switches.append(Switch(i, new[i].dtype, target, "probe_validated"))
+                new[i] = LayerState(target, healthy=0, cooldown=rule.cooldown,
+                                    switches=new[i].switches + 1, strikes=new[i].strikes)
+                validated.add(i)
+    elif probe_steps > 0 and not switches and _probe_bad(stats, probe_loss_error, rule):
+        narrow = [i for i in measured if can_widen(i) and stats[i].probe_steps]
+        above = [i for i in narrow
+                 if stats[i].grad_error > rule.hysteresis * rule.max_probe_grad_error]
+        target_i = (above or narrow or [None])[-1]
+        if target_i is not None:
+            troubled.add(target_i)
+            promote(target_i, "probe_error")
+    # 4. demotion (and the health counters)
+    switched = {sw.layer for sw in switches}
+    trial_open = any(st.trial for st in new)
+    for i in measured:
+        if i in switched or i in validated:
             continue
         st = new[i]
         cooldown = max(st.cooldown - 1, 0)
         if i in troubled:
-            new[i] = dataclasses.replace(st, healthy=0, cooldown=cooldown)
+            new[i] = dataclasses.replace(st, healthy=0, cooldown=cooldown, trial=0)
             continue
         healthy = st.healthy + 1
         target = narrower(st.dtype)
-        if (target is not None and cooldown == 0 and st.switches < rule.max_switches
-                and st.strikes < rule.max_strikes
-                and healthy >= rule.patience * 2**st.strikes
-                and _fits(target, stats[i], rule)):
+        ready = (target is not None and cooldown == 0 and st.switches < rule.max_switches
+                 and st.strikes < rule.max_strikes
+                 and healthy >= rule.patience * 2**st.strikes
+                 and _fits(target, stats[i], rule))
+        if ready and not validate_demotions:
             switches.append(Switch(i, st.dtype, target, "healthy"))
             new[i] = LayerState(target, healthy=0, cooldown=rule.cooldown,
                                 switches=st.switches + 1, strikes=st.strikes)
+        elif ready and not trial_open:
+            new[i] = dataclasses.replace(st, healthy=healthy, cooldown=cooldown, trial=1)
+            trial_open = True
         else:
-            new[i] = dataclasses.replace(st, healthy=healthy, cooldown=cooldown)
+            new[i] = dataclasses.replace(st, healthy=healthy, cooldown=cooldown,
+                                         trial=st.trial if ready else 0)
     return Decision(tuple(new), tuple(switches))

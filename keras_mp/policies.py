@@ -113,6 +113,7 @@ class AdaptivePolicy(DTypePolicyMap):
         for path, dtype in (assignments or {}).items():
             self.assign(path, dtype)
         self.records: dict[str, dict[str, Any]] = copy.deepcopy(records or {})
+        self._override: dict[str, str] = {}
 
     # -- the policy ------------------------------------------------------
 
@@ -146,6 +147,8 @@ class AdaptivePolicy(DTypePolicyMap):
         return hits[0] if len(hits) == 1 else None
 
     def __getitem__(self, key):
+        if key in self._override:
+            return _keras_policy(self._override[key])
         found = self._key_for(key)
         if found is not None:
             return self._policy_map[found]
@@ -180,6 +183,30 @@ class AdaptivePolicy(DTypePolicyMap):
             del self[old]
         if dtype != self._candidates[0]:
             self[path] = _keras_policy(dtype)
+
+    @contextlib.contextmanager
+    def overriding(self, dtypes: dict[str, str]) -> Iterator[None]:
+        """Layers at these paths compute in these dtypes inside the block,
+        without a change of the assignments (the float32 probe traces a step
+        this way).
+
+        Example:
+            >>> p = AdaptivePolicy(candidates=("bfloat16", "float32"))
+            >>> with p.overriding({"dense": "float32"}):
+            ...     p.dtype_of("dense")
+            'float32'
+            >>> p.dtype_of("dense")
+            'bfloat16'
+        """
+        bad = {k: v for k, v in dtypes.items() if v not in _KERAS_FOR}
+        if bad:
+            raise ValueError(f"`dtypes` must map layer paths to one of {tuple(_KERAS_FOR)}, "
+                             f"got {bad!r}.")
+        old, self._override = self._override, {**self._override, **dtypes}
+        try:
+            yield
+        finally:
+            self._override = old
 
     def assignments(self) -> dict[str, str]:
         """Layer path -> compute dtype, for layers not in the narrowest candidate."""
@@ -276,6 +303,27 @@ def policy_scope(policy: Any) -> Iterator[DTypePolicy]:
         keras.config.set_dtype_policy(previous)
 
 
+def _name_paths(container: keras.layers.Layer) -> None:
+    """Gives a path to every layer below ``container`` that has none.
+
+    Keras sets a layer's ``path`` when it builds it, and never for a layer
+    without weights (no ``build``): such a layer (``ReLU``, ``Softmax``,
+    ``MultiHeadAttention``'s softmax) looks itself up in a policy map by a path
+    of None and always gets the default. Its path here is its siblings'
+    prefix (or its container's path) and its name, as Keras would have made it.
+    """
+    children = list(container._flatten_layers(include_self=False, recursive=False))
+    prefix = next((child.path[:-len(child.name)] for child in children
+                   if child.path and child.path.endswith(child.name)), None)
+    if prefix is None:
+        prefix = container.path + "/" if container.path else ""
+    for child in children:
+        if child.path is None:
+            # Not Keras's __setattr__: a path is not state to track.
+            object.__setattr__(child, "_path", prefix + child.name)
+        _name_paths(child)
+
+
 def policy_of(model: keras.Model) -> AdaptivePolicy | None:
     """The :class:`AdaptivePolicy` that ``model``'s layers use, or None.
 
@@ -291,6 +339,7 @@ def policy_of(model: keras.Model) -> AdaptivePolicy | None:
         if isinstance(getattr(layer, "_dtype_policy", None), AdaptivePolicy)]
     if not found:
         return None
+    _name_paths(model)
     current = global_policy()
     policies = [layer._dtype_policy for layer in found]
     chosen = current if any(p is current for p in policies) else policies[0]
@@ -302,20 +351,40 @@ def policy_of(model: keras.Model) -> AdaptivePolicy | None:
 
 
 def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.layers.Layer]:
-    """The layers whose precision ``policy`` controls and that own trainable
-    variables (so have gradient statistics), in ``model``'s layer order."""
+    """The layers whose precision ``policy`` controls, in ``model``'s layer order.
+
+    Every layer that holds ``policy`` and computes, with or without weights
+    (a layer's compute dtype decides where Keras casts its inputs, so a
+    weightless ``Rescaling`` or ``Softmax`` can be where the range is lost),
+    including the sublayers of nested, subclassed and composite layers (such
+    as ``MultiHeadAttention``'s projections and softmax). Left out: models
+    (containers whose layers are listed instead), ``InputLayer`` and quantized
+    layers (their dtype belongs to the quantization).
+
+    Example:
+        >>> import keras, keras_mp
+        >>> with keras_mp.policy_scope("adaptive_bfloat16") as p:
+        ...     m = keras.Sequential([keras.Input((3,)), keras.layers.Rescaling(0.1),
+        ...                           keras.layers.Dense(2), keras.layers.Softmax()])
+        >>> [type(layer).__name__ for layer in adaptive_layers(m, p)]
+        ['Rescaling', 'Dense', 'Softmax']
+    """
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
                         f"{type(model).__name__}.")
     if not isinstance(policy, AdaptivePolicy):
         raise TypeError(f"`policy` must be an AdaptivePolicy (see policy_of), got {policy!r} "
                         f"of type {type(policy).__name__}.")
+    _name_paths(model)
     seen: set[int] = set()
     out = []
     for layer in model._flatten_layers(include_self=False):
         if id(layer) in seen or layer._dtype_policy is not policy:
             continue
         seen.add(id(layer))
-        if any(v.trainable for v in layer._trainable_variables):
-            out.append(layer)
+        if isinstance(layer, (keras.Model, keras.layers.InputLayer)):
+            continue
+        if layer.quantization_mode is not None:
+            continue
+        out.append(layer)
     return out

@@ -1,18 +1,20 @@
-"""``precision_report(model)``: every layer's dtype, key statistics and
-switch history, as a table and as data.
+"""``precision_report(model)``: every layer's dtype, its evidence (gradient
+statistics, forward statistics, float32-probe errors) and its switches with
+their reasons, as a table and as data.
 
 Example:
     >>> import keras, keras_mp
     >>> keras_mp.set_global_policy("adaptive_bfloat16")
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2),
+    ...                           keras.layers.Softmax()])
     >>> r = keras_mp.precision_report(model)
-    >>> r.rows[0]["compute_dtype"], r.rows[0]["switches"]
-    ('bfloat16', 0)
+    >>> [(row["class"], row["compute_dtype"], row["switches"]) for row in r.rows]
+    [('Dense', 'bfloat16', 0), ('Softmax', 'bfloat16', 0)]
     >>> lines = str(r).splitlines()
     >>> lines[0]
     'policy: adaptive_bfloat16, candidates: bfloat16, float32'
     >>> lines[1].split(" | ")[:4]
-    ['| layer', 'class', 'dtype', 'nonfinite']
+    ['| layer', 'class', 'dtype', 'grad nonfinite']
     >>> keras_mp.set_global_policy("float32")
 """
 
@@ -25,31 +27,66 @@ import keras
 
 from keras_mp import policies
 
-__all__ = ["PrecisionReport", "precision_report"]
+__all__ = ["COLUMNS", "PrecisionReport", "precision_report"]
 
-_STAT_COLUMNS = (("nonfinite", "nonfinite"), ("amax", "amax"), ("fp16_subnormal", "fp16 sub"),
-                 ("fp16_overflow", "fp16 ovf"), ("bf16_subnormal", "bf16 sub"), ("zero", "zero"))
+NOT_MEASURED = "n/m"
+
+#: ``(stats key, column title, which evidence, legend)`` for the table.
+COLUMNS: tuple[tuple[str, str, str, str], ...] = (
+    ("nonfinite", "grad nonfinite", "gradients",
+     "fraction of statistics steps with an inf/nan gradient (at the loss scale's floor)"),
+    ("amax", "grad amax", "gradients", "largest finite unscaled gradient magnitude"),
+    ("fp16_subnormal", "fp16 sub", "gradients",
+     "fraction of scaled gradient elements in float16's subnormal range"),
+    ("bf16_subnormal", "bf16 sub", "gradients",
+     "fraction of gradient elements below bfloat16's normal range"),
+    ("in_amax", "in amax", "forward", "largest finite |input| as the layer received it"),
+    ("out_amax", "out amax", "forward", "largest finite |output|"),
+    ("in_range", "in range", "forward",
+     "fraction of observed steps whose cast input was non-finite or beyond the dtype's max"),
+    ("out_nonfinite", "out nonfinite", "forward",
+     "fraction of observed steps with an inf/nan output"),
+    ("out_flushed", "out flushed", "forward",
+     "fraction of output elements flushed to subnormals in the layer's dtype"),
+    ("grad_error", "probe err", "probe",
+     "float32 probe: relative error of the layer's gradient in its dtype vs float32"),
+    ("cosine", "probe cos", "probe", "float32 probe: cosine of the gradient vs float32"),
+)
 
 
 def _cell(value: Any) -> str:
     if value is None:
-        return "-"
+        return NOT_MEASURED
     if isinstance(value, float):
         return f"{value:.3g}"
     return str(value)
 
 
+def _measured(stats: dict[str, Any] | None) -> dict[str, bool]:
+    """Which evidence the last interval collected for a layer."""
+    if not stats:
+        return {"gradients": False, "forward": False, "probe": False}
+    return {"gradients": bool(stats.get("gradients", True)) and stats.get("steps", 0) > 0,
+            "forward": stats.get("forward_steps", 0) > 0,
+            "probe": stats.get("probe_steps", 0) > 0}
+
+
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
-    """A model's precision, layer by layer.
+    """A model's precision, layer by layer, in forward order.
 
     Attributes:
         policy: the policy's name (the global policy's when no layer is adaptive).
         candidates: the adaptive candidates, or ``()``.
-        rows: one dict per layer with trainable variables: ``layer`` (path),
-            ``class``, ``compute_dtype``, ``variable_dtype``, ``stats`` (the
-            last interval's statistics, or None), ``state`` (the controller's,
-            or None), ``switches`` and ``history`` (list of switch dicts).
+        rows: one dict per controlled layer (every layer that computes, with
+            or without weights): ``layer`` (path), ``class``,
+            ``compute_dtype``, ``variable_dtype``, ``stats`` (the last
+            interval's evidence, or None), ``measured`` (which evidence that
+            interval collected: ``gradients``, ``forward``, ``probe``),
+            ``probe`` (the last probe's errors and whether they mark the layer
+            sensitive, or None), ``state`` (the controller's, or None),
+            ``switches`` and ``history`` (switch dicts with ``step``, ``old``,
+            ``new``, ``reason``).
     """
 
     policy: str
@@ -69,47 +106,72 @@ class PrecisionReport:
         head = f"policy: {self.policy}"
         if self.candidates:
             head += f", candidates: {', '.join(self.candidates)}"
-        cols = ["layer", "class", "dtype", *(t for _, t in _STAT_COLUMNS), "switches", "history"]
+        cols = ["layer", "class", "dtype", *(c[1] for c in COLUMNS), "switches", "history"]
         lines = [head, "| " + " | ".join(cols) + " |",
-                 "| --- | --- | --- |" + " ---: |" * (len(_STAT_COLUMNS) + 1) + " --- |"]
+                 "| --- | --- | --- |" + " ---: |" * (len(COLUMNS) + 1) + " --- |"]
         for r in self.rows:
-            stats = r["stats"] or {}
+            stats, measured = r["stats"] or {}, r["measured"]
             history = ", ".join(f"{h['old']}->{h['new']}@{h['step']} ({h['reason']})"
                                 for h in r["history"])
             cells = [r["layer"], r["class"], r["compute_dtype"],
-                     *(_cell(stats.get(k)) for k, _ in _STAT_COLUMNS),
+                     *(_cell(stats.get(key) if measured[kind] else None)
+                       for key, _, kind, _ in COLUMNS),
                      str(r["switches"]), history]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
+    def legend(self) -> str:
+        """What each column means (``n/m``: not measured in the last interval:
+        a layer without weights has no gradients, the probe had not run, ...)."""
+        rows = [f"- {title}: {text}" for _, title, _, text in COLUMNS]
+        rows += ["- switches: dtype changes so far; history: old->new@call (reason)",
+                 f"- {NOT_MEASURED}: not measured (no weights, no probe yet, or no statistics "
+                 "step since the last decision)"]
+        return "\n".join(rows)
+
+
+def _computing_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
+    seen: set[int] = set()
+    out = []
+    for layer in model._flatten_layers(include_self=False):
+        if id(layer) in seen or isinstance(layer, (keras.Model, keras.layers.InputLayer)):
+            continue
+        seen.add(id(layer))
+        out.append(layer)
+    return out
+
 
 def precision_report(model: keras.Model) -> PrecisionReport:
-    """Reports every layer of ``model`` that has trainable variables.
+    """Reports every layer of ``model`` that computes, in forward order (as
+    last observed by the adaptive policy; the model's layer order before).
 
     Args:
         model: a Keras model; adaptive or not (then only dtypes are shown).
 
     Returns:
-        A :class:`PrecisionReport`; ``print`` it for the table.
+        A :class:`PrecisionReport`; ``print`` it for the table and
+        ``print(report.legend())`` for what the columns mean.
     """
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"`model` must be a Keras model or layer, got {model!r}.")
     policy = policies.policy_of(model) if isinstance(model, keras.Model) else None
+    layers = policies.adaptive_layers(model, policy) if policy is not None \
+        else _computing_layers(model)
+    records = [policy.record(layer.path) if policy is not None else {} for layer in layers]
+    order = sorted(range(len(layers)), key=lambda i: (records[i].get("position", i), i))
     rows = []
-    seen: set[int] = set()
-    for layer in model._flatten_layers(include_self=False):
-        if id(layer) in seen or not layer._trainable_variables:
-            continue
-        seen.add(id(layer))
-        record = policy.record(layer.path) if policy is not None and \
-            layer._dtype_policy is policy else {}
+    for i in order:
+        layer, record = layers[i], records[i]
         state = record.get("state")
+        stats = dict(record["stats"]) if record.get("stats") else None
         rows.append({
-            "layer": layer.path,
+            "layer": layer.path or layer.name,
             "class": type(layer).__name__,
             "compute_dtype": layer.compute_dtype,
             "variable_dtype": layer.variable_dtype,
-            "stats": dict(record["stats"]) if record.get("stats") else None,
+            "stats": stats,
+            "measured": _measured(stats),
+            "probe": dict(record["probe"]) if record.get("probe") else None,
             "state": dict(state) if state else None,
             "switches": int(state["switches"]) if state else 0,
             "history": [dict(h) for h in record.get("history", [])],

@@ -1,4 +1,4 @@
-"""Per-layer gradient statistics, accumulated on the device.
+"""Per-layer statistics (gradients, forward pass, probe), accumulated on the device.
 
 :class:`keras_mp.LossScaleOptimizer` computes per-gradient statistics in the
 same fused kernel that unscales and checks the gradients
@@ -20,7 +20,16 @@ weighted by tensor size, and averaged over steps and replicas):
   overflows at any scale, is a precision problem;
 * ``amax``: the largest finite unscaled gradient magnitude;
 * ``fp16_underflow``, ``fp16_subnormal``, ``fp16_overflow``,
-  ``bf16_subnormal``, ``zero``: as in :mod:`keras_mp.kernels`.
+  ``bf16_subnormal``, ``zero``: as in :mod:`keras_mp.kernels`;
+* forward statistics of every observed layer, weights or not
+  (:mod:`keras_mp.forward`), taken from the model's :class:`keras_mp.hooks.Hooks`
+  in the same call: amaxes are maxima, the others fractions of the steps in
+  which the layer was observed;
+* the float32 probe's results (:mod:`keras_mp.probe`), averaged over the
+  valid probes of the interval.
+
+Gradients, forward statistics and probe results of one step agree across
+replicas in one all-reduce.
 
 Example, as a custom loop would use it:
     >>> import keras, keras_mp, tensorflow as tf
@@ -47,10 +56,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mp import kernels
+from keras_mp import forward, kernels
 from keras_mp.controller import LayerStats
 
-__all__ = ["FRACTIONS", "IntervalStats", "LayerStatistics", "variable_path"]
+__all__ = ["FRACTIONS", "IntervalStats", "LayerStatistics", "agree", "variable_path"]
 
 #: The statistics that are fractions of elements (averaged, not maxed).
 FRACTIONS: tuple[str, ...] = ("fp16_underflow", "fp16_subnormal", "fp16_overflow",
@@ -77,6 +86,8 @@ class IntervalStats:
         mean_scale: mean loss scale over the steps.
         paths: the layers' paths, in order.
         layers: one :class:`keras_mp.controller.LayerStats` per layer.
+        probe_steps: valid probes in the interval.
+        probe_loss_error: their mean loss relative error.
     """
 
     steps: int
@@ -84,22 +95,63 @@ class IntervalStats:
     mean_scale: float
     paths: tuple[str, ...]
     layers: tuple[LayerStats, ...]
+    probe_steps: int = 0
+    probe_loss_error: float = 0.0
+
+
+def agree(parts: Sequence[tuple[tf.Tensor, str]]) -> list[tf.Tensor]:
+    """Agrees on per-replica values across replicas with one all-reduce.
+
+    Args:
+        parts: ``(tensor, how)`` pairs, ``how`` one of ``"mean"``, ``"max"``.
+
+    Returns:
+        The agreed tensors, in order, with their shapes (the inputs
+        themselves outside a multi-replica context).
+    """
+    for _, how in parts:
+        if how not in ("mean", "max"):
+            raise ValueError(f"`how` must be 'mean' or 'max', got {how!r}.")
+    ctx = tf.distribute.get_replica_context()
+    if not (tf.distribute.has_strategy() and ctx is not None and ctx.num_replicas_in_sync > 1):
+        return [t for t, _ in parts]
+    # Each replica writes its row of a [replicas, k] matrix and a sum gathers
+    # them: a gather built from the all-reduce every strategy has.
+    flat = [tf.reshape(tf.cast(t, tf.float32), [-1]) for t, _ in parts]
+    row = tf.concat(flat, 0)
+    rid = tf.reshape(tf.cast(ctx.replica_id_in_sync_group, tf.int32), [1, 1])
+    rows = tf.scatter_nd(rid, row[None], [ctx.num_replicas_in_sync, row.shape[0]])
+    rows = ctx.all_reduce(tf.distribute.ReduceOp.SUM, rows)
+    out, at = [], 0
+    for (t, how), f in zip(parts, flat):
+        k = f.shape[0]
+        cols = rows[:, at:at + k]
+        at += k
+        red = tf.reduce_mean(cols, 0) if how == "mean" else tf.reduce_max(cols, 0)
+        out.append(tf.reshape(red, tf.shape(t)))
+    return out
 
 
 class LayerStatistics(keras.layers.Layer):
-    """Accumulates the optimizer's gradient statistics per layer, on device.
+    """Accumulates per-layer statistics on device: the optimizer's gradient
+    statistics, and the forward statistics and probe results that the
+    model's :class:`keras_mp.hooks.Hooks` recorded in the same step.
 
     It is a Keras layer only so that its variables are saved and restored
     with the model it is attached to (a run resumed mid-interval keeps its
     partial statistics); it is never called on data.
 
     Args:
-        layers: the layers to attribute gradients to, in forward order;
-            gradients of variables that none of them owns are ignored.
+        layers: the controlled layers, with or without weights; gradients of
+            variables that none of them owns are ignored.
         scale_floor: the smallest loss scale the schedule reaches; non-finite
             gradients count only at steps whose scale is at most this. None
             counts them at every scale (right for a fixed scale).
         name: the layer's name.
+
+    Attributes:
+        hooks: the :class:`keras_mp.hooks.Hooks` whose recordings
+            :meth:`accumulate` takes, or None (gradients only).
     """
 
     def __init__(self, layers: Sequence[keras.layers.Layer], *,
@@ -108,7 +160,7 @@ class LayerStatistics(keras.layers.Layer):
         super().__init__(name=name, dtype="float32", trainable=False)
         layers = list(layers)
         if not layers:
-            raise ValueError("`layers` must hold at least one layer with trainable variables.")
+            raise ValueError("`layers` must hold at least one layer.")
         bad = [layer for layer in layers if not isinstance(layer, keras.layers.Layer)]
         if bad:
             raise TypeError(f"`layers` must hold Keras layers, got {bad[0]!r} of type "
@@ -123,6 +175,9 @@ class LayerStatistics(keras.layers.Layer):
         for i, layer in enumerate(layers):
             for v in layer._trainable_variables:
                 self._owner[variable_path(v)] = i
+        self.has_gradients: tuple[bool, ...] = tuple(
+            any(v.trainable for v in layer._trainable_variables) for layer in layers)
+        object.__setattr__(self, "hooks", None)  # not tracked: no state of ours
         n = len(layers)
         # Replicas hold identical values after the all-reduce in `accumulate`,
         # so any replica's update is the update.
@@ -134,13 +189,28 @@ class LayerStatistics(keras.layers.Layer):
         self.amax = self.add_weight(shape=(n,), initializer="zeros", name="amax", **kw)
         # steps, steps with every layer non-finite, sum of the loss scale
         self.counters = self.add_weight(shape=(3,), initializer="zeros", name="counters", **kw)
+        # forward: per field and layer (maxima for MAX_FIELDS, sums otherwise),
+        # then the steps in which each layer was observed
+        self.forward_sums = self.add_weight(shape=(len(forward.FIELDS) + 1, n),
+                                            initializer="zeros", name="forward_sums", **kw)
+        # probe: gradient error and cosine sums per layer; valid probes and
+        # loss error sum
+        self.probe_sums = self.add_weight(shape=(2, n), initializer="zeros", name="probe_sums",
+                                          **kw)
+        self.probe_counters = self.add_weight(shape=(2,), initializer="zeros",
+                                              name="probe_counters", **kw)
         self.built = True
+
+    def _variables_of_state(self):
+        return (self.fraction_sums, self.nonfinite_steps, self.amax, self.counters,
+                self.forward_sums, self.probe_sums, self.probe_counters)
 
     def accumulate(self, stats: kernels.GradientStatistics, scale, variables) -> None:
         """The optimizer's ``statistics_sink``: adds one step's statistics.
 
-        Runs in replica context inside the train step; reduces across
-        replicas with one all-reduce.
+        Runs in replica context inside the train step; takes what
+        :attr:`hooks` recorded in the same trace; reduces across replicas
+        with one all-reduce.
 
         Args:
             stats: per-gradient statistics, each field of shape ``[len(variables)]``.
@@ -150,8 +220,8 @@ class LayerStatistics(keras.layers.Layer):
         n = len(self.paths)
         owner = [self._owner.get(variable_path(v), n) for v in variables]  # n: nobody's
         sizes = [float(max(v.shape.num_elements() or 0, 0)) for v in variables]
-        seg = tf.constant(owner, tf.int32)
-        size = tf.constant(sizes, tf.float32)
+        seg = tf.constant(owner or [n], tf.int32)
+        size = tf.constant(sizes or [0.0], tf.float32)
         layer_size = tf.math.unsorted_segment_sum(size, seg, n + 1)[:n]
         fr = tf.stack([tf.cast(getattr(stats, f), tf.float32) for f in FRACTIONS], axis=1)
         fr = tf.math.unsorted_segment_sum(fr * size[:, None], seg, n + 1)[:n]
@@ -165,46 +235,79 @@ class LayerStatistics(keras.layers.Layer):
             # A tolerance for the float32 rounding of the scale.
             at_floor = tf.cast(scale[0] <= self.scale_floor * (1 + 1e-6), tf.float32)
             bad = bad * at_floor
-        everywhere = tf.reduce_min(bad)
+        with_grads = tf.constant([1.0 if g else 0.0 for g in self.has_gradients])
+        # "every layer": every layer with gradients
+        everywhere = tf.reduce_min(tf.where(with_grads > 0, bad, 1.0))
 
-        ctx = tf.distribute.get_replica_context()
-        if tf.distribute.has_strategy() and ctx is not None and ctx.num_replicas_in_sync > 1:
-            # One collective for everything: each replica writes its row of a
-            # [replicas, k] matrix and a sum gathers them (then mean/max per
-            # field): a gather built from the all-reduce every strategy has.
-            row = tf.concat([tf.reshape(fr, [-1]), bad, amax, everywhere[None], scale], 0)
-            rid = tf.reshape(tf.cast(ctx.replica_id_in_sync_group, tf.int32), [1, 1])
-            rows = tf.scatter_nd(rid, row[None], [ctx.num_replicas_in_sync, row.shape[0]])
-            rows = ctx.all_reduce(tf.distribute.ReduceOp.SUM, rows)
-            k = len(FRACTIONS) * n
-            fr = tf.reshape(tf.reduce_mean(rows[:, :k], 0), [len(FRACTIONS), n])
-            bad = tf.reduce_max(rows[:, k:k + n], 0)
-            amax = tf.reduce_max(rows[:, k + n:k + 2 * n], 0)
-            everywhere = tf.reduce_max(rows[:, k + 2 * n])
-            scale = tf.reduce_mean(rows[:, -1:], 0)
+        fwd, observed, probe = self.hooks.take() if self.hooks is not None else (None, None, None)
+        if fwd is None:
+            fwd = tf.zeros([n, len(forward.FIELDS)])
+            observed = tf.zeros([n])
+        fwd = tf.transpose(fwd)  # [fields, n]
+        k_max = len(forward.MAX_FIELDS)
+        if probe is None:
+            p_valid, p_loss = tf.zeros([]), tf.zeros([])
+            p_err, p_cos = tf.zeros([n]), tf.zeros([n])
+        else:
+            p_valid, p_loss = probe.valid, probe.loss_error * probe.valid
+            p_err, p_cos = probe.grad_error * probe.valid, probe.cosine * probe.valid
+        (fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, p_valid, p_loss, p_err,
+         p_cos) = agree([
+            (fr, "mean"), (bad, "max"), (amax, "max"), (everywhere, "max"), (scale, "mean"),
+            (fwd[:k_max], "max"), (fwd[k_max:], "max"), (observed, "max"), (p_valid, "mean"),
+            (p_loss, "mean"), (p_err, "mean"), (p_cos, "mean")])
         self.fraction_sums.assign_add(fr)
         self.nonfinite_steps.assign_add(bad)
         self.amax.assign(tf.maximum(self.amax.value, amax))
         self.counters.assign_add(tf.concat([tf.ones([1]), everywhere[None], scale], 0))
+        old = self.forward_sums.value
+        self.forward_sums.assign(tf.concat([
+            tf.maximum(old[:k_max], fwd_max), old[k_max:-1] + fwd_sum, old[-1:] + observed[None]],
+            0))
+        self.probe_sums.assign_add(tf.stack([p_err, p_cos]))
+        self.probe_counters.assign_add(tf.stack([p_valid, p_loss]))
+
+    def accumulate_probe(self, result) -> None:
+        """Adds one probe's results (a :class:`keras_mp.probe.ProbeResult`)
+        outside a train step (custom loops); agrees across replicas."""
+        valid, loss, err, cos = agree([
+            (result.valid, "mean"), (result.loss_error * result.valid, "mean"),
+            (result.grad_error * result.valid, "mean"), (result.cosine * result.valid, "mean")])
+        self.probe_sums.assign_add(tf.stack([err, cos]))
+        self.probe_counters.assign_add(tf.stack([valid, loss]))
 
     def read(self) -> IntervalStats:
         """The statistics accumulated since the last :meth:`reset` (reads the
         device once)."""
-        fr, bad, amax, counters = (np.asarray(keras.ops.convert_to_numpy(v)) for v in (
-            self.fraction_sums, self.nonfinite_steps, self.amax, self.counters))
+        fr, bad, amax, counters, fw, ps, pc = (np.asarray(keras.ops.convert_to_numpy(v))
+                                               for v in self._variables_of_state())
         steps = int(round(float(counters[0])))
         d = max(steps, 1)
-        layers = tuple(
-            LayerStats(steps=steps, nonfinite=float(bad[i]) / d, amax=float(amax[i]),
-                       **{f: float(fr[j, i]) / d for j, f in enumerate(FRACTIONS)})
-            for i in range(len(self.paths)))
+        probes = int(round(float(pc[0])))
+        dp = max(probes, 1)
+        k_max = len(forward.MAX_FIELDS)
+        layers = []
+        for i in range(len(self.paths)):
+            seen = int(round(float(fw[-1, i])))
+            fwd = {f: float(fw[j, i]) if j < k_max else float(fw[j, i]) / max(seen, 1)
+                   for j, f in enumerate(forward.FIELDS)}
+            grads = self.has_gradients[i]
+            layers.append(LayerStats(
+                steps=steps, gradients=grads,
+                nonfinite=float(bad[i]) / d if grads else 0.0, amax=float(amax[i]),
+                **{f: float(fr[j, i]) / d for j, f in enumerate(FRACTIONS)},
+                forward_steps=seen, **fwd,
+                probe_steps=probes if grads else 0,
+                grad_error=float(ps[0, i]) / dp if grads else 0.0,
+                cosine=float(ps[1, i]) / dp if grads and probes else 1.0))
         return IntervalStats(steps=steps, all_nonfinite=float(counters[1]) / d,
                              mean_scale=float(counters[2]) / d, paths=self.paths,
-                             layers=layers)
+                             layers=tuple(layers), probe_steps=probes,
+                             probe_loss_error=float(pc[1]) / dp)
 
     def reset(self) -> None:
         """Starts a new interval."""
-        for v in (self.fraction_sums, self.nonfinite_steps, self.amax, self.counters):
+        for v in self._variables_of_state():
             v.assign(keras.ops.zeros(v.shape, v.dtype))
 
     def call(self, inputs):  # pragma: no cover - never called on data

@@ -20,13 +20,14 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp import (callbacks, controller, datasets, device, distribute, kernels, layers,
-                      loss_scale, ops, optimizer, policies, report, stats, tuning, xla)
+from keras_mp import (autofit, callbacks, controller, datasets, device, distribute, forward,
+                      hooks, kernels, layers, loss_scale, ops, optimizer, policies,
+                      precision_state, probe, report, stats, tuning, xla)
 from keras_mp.fuse import fuse as fuse_model
 
-MODULES = ["callbacks", "cli", "controller", "datasets", "demo", "device", "distribute", "fuse",
-           "kernels", "layers", "loss_scale", "ops", "optimizer", "policies", "report", "stats",
-           "tuning", "xla"]
+MODULES = ["autofit", "callbacks", "cli", "controller", "datasets", "demo", "device",
+           "distribute", "forward", "fuse", "hooks", "kernels", "layers", "loss_scale", "ops",
+           "optimizer", "policies", "precision_state", "probe", "report", "stats", "tuning", "xla"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -36,12 +37,14 @@ NO_ARGUMENTS = {
     "policies.global_policy", "xla.cpu_has_bf16_matmul", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "loss_scale.LossScaleSchedule",  # abstract base: no arguments
+    "autofit.enabled", "autofit.install",
+    "forward.floating_tensors",  # takes any structure; keeps its floating tensors
 }
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
     "controller.Switch", "controller.Decision", "controller.LayerStats",
     "datasets.Loaded", "demo.DemoResult", "device.DeviceProfile", "kernels.GradientStatistics",
-    "report.PrecisionReport", "stats.IntervalStats", "xla.Kind",
+    "report.PrecisionReport", "stats.IntervalStats", "xla.Kind", "probe.ProbeResult",
 }
 
 SGD = keras.optimizers.SGD
@@ -73,6 +76,26 @@ CASES = [
      "`verbose`"),
     ("callbacks.AdaptivePrecision", lambda: callbacks.AdaptivePrecision(loss_scale="sometimes"),
      ValueError, "`loss_scale`"),
+    ("callbacks.AdaptivePrecision", lambda: callbacks.AdaptivePrecision(probe_every=0),
+     ValueError, "`probe_every`"),
+    # autofit
+    ("autofit.set_enabled", lambda: autofit.set_enabled(1), TypeError, "`value`"),
+    ("autofit.callback_of", lambda: autofit.callback_of("model"), TypeError, "`model`"),
+    # forward
+    ("forward.dtype_max", lambda: forward.dtype_max("int8"), ValueError, "`dtype`"),
+    ("forward.dtype_tiny", lambda: forward.dtype_tiny("fp8"), ValueError, "`dtype`"),
+    ("forward.layer_statistics", lambda: forward.layer_statistics([], [], "int32"), ValueError,
+     "`dtype`"),
+    # hooks
+    ("hooks.Hooks", lambda: hooks.Hooks("model", []), TypeError, "`model`"),
+    ("hooks.Hooks", lambda: hooks.Hooks(_model(), ["dense"]), TypeError, "`layers`"),
+    # precision_state
+    ("precision_state.PrecisionState", lambda: precision_state.PrecisionState("dense"),
+     TypeError, "`paths`"),
+    # probe
+    ("probe.probe", lambda: probe.probe(_model(), (x2, x2), "float32", []), TypeError,
+     "`policy`"),
+    ("probe.probe", lambda: probe.probe("model", (x2, x2), None, []), TypeError, "`model`"),
     # cli
     ("cli.main", lambda: importlib.import_module("keras_mp.cli").main(["--no-such-flag"]),
      SystemExit, None),
@@ -92,6 +115,16 @@ CASES = [
         [], [], ("float16", "int8")), ValueError, "`candidates`"),
     ("controller.decide", lambda: controller.decide(
         [], [], ("float32",), all_nonfinite=2.0), ValueError, "`all_nonfinite`"),
+    ("controller.DecisionRule", lambda: controller.DecisionRule(max_probe_loss_error=0),
+     ValueError, "`max_probe_loss_error`"),
+    ("controller.DecisionRule", lambda: controller.DecisionRule(max_near_max=2), ValueError,
+     "`max_near_max`"),
+    ("controller.LayerState", lambda: controller.LayerState("float32", trial=-1), ValueError,
+     "`trial`"),
+    ("controller.decide", lambda: controller.decide(
+        [], [], ("float32",), probe_steps=-1), ValueError, "`probe_steps`"),
+    ("controller.decide", lambda: controller.decide(
+        [], [], ("float32",), probe_loss_error=float("nan")), ValueError, "`probe_loss_error`"),
     ("controller.sort_candidates", lambda: controller.sort_candidates("float16"), ValueError,
      "`candidates`"),
     ("controller.sort_candidates", lambda: controller.sort_candidates(["float16", "int8"]),
@@ -228,6 +261,7 @@ CASES = [
     ("stats.LayerStatistics", lambda: stats.LayerStatistics(
         _model().layers, scale_floor=-1.0), ValueError, "`scale_floor`"),
     ("stats.variable_path", lambda: stats.variable_path(3), TypeError, "`variable`"),
+    ("stats.agree", lambda: stats.agree([(tf.ones([2]), "median")]), ValueError, "`how`"),
     # tuning
     ("tuning.loss_scale_schedule", lambda: tuning.loss_scale_schedule(None), TypeError, "`hp`"),
     ("tuning.objective", lambda: tuning.objective("fastest"), ValueError, "`name`"),

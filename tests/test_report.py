@@ -16,7 +16,7 @@ def _model(policy):
     policies.set_global_policy(policy)
     # A small first kernel keeps that layer's output within float16 once
     # its input (which is not) is handled in float32.
-    small = keras.initializers.RandomUniform(-0.05, 0.05, seed=1)
+    small = keras.initializers.RandomUniform(-0.001, 0.001, seed=1)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, kernel_initializer=small),
                               keras.layers.ReLU(),
                               keras.layers.Dense(1)])
@@ -34,26 +34,36 @@ def test_report_after_a_switch_has_dtypes_statistics_and_history():
     r = precision_report(model)
     assert isinstance(r, PrecisionReport)
     assert r.policy == "adaptive_float16" and r.candidates == ("float16", "float32")
-    assert [row["layer"] for row in r.rows] == [model.layers[0].path, model.layers[2].path]
-    first, last = r.rows
+    # every layer, the weightless ReLU too, in forward order
+    assert [row["layer"] for row in r.rows] == [layer.path for layer in model.layers]
+    first, relu, last = r.rows
     assert first["compute_dtype"] == "float32" and last["compute_dtype"] == "float16"
     assert first["variable_dtype"] == "float32"
-    assert first["switches"] == 1 and first["history"][0]["reason"] == "nonfinite_everywhere"
+    # attributed by the forward statistics: the input of the first layer overflows
+    assert first["switches"] == 1 and first["history"][0]["reason"] == "input_range"
     assert first["history"][0]["old"] == "float16" and first["history"][0]["new"] == "float32"
-    assert set(first["stats"]) >= {"nonfinite", "amax", "fp16_subnormal", "zero"}
+    assert set(first["stats"]) >= {"nonfinite", "amax", "fp16_subnormal", "zero", "in_amax",
+                                   "out_amax", "in_range", "out_flushed", "grad_error"}
+    assert first["stats"]["in_amax"] == 7e4
+    assert relu["measured"] == {"gradients": False, "forward": True, "probe": False}
+    assert first["measured"]["gradients"] and first["measured"]["forward"]
     text = str(r)
-    assert "float16->float32@4 (nonfinite_everywhere)" in text
+    assert "float16->float32@2 (input_range)" in text
     assert text.count("\n") == 2 + len(r.rows)
+    relu_cells = text.splitlines()[3 + 1].split(" | ")
+    assert relu_cells[3] == "n/m"  # no gradients: not measured, not 0
+    assert "grad nonfinite:" in r.legend() and "n/m" in r.legend()
     json.dumps(r.to_dict())  # the structured form is plain data
-    assert r.dtypes() == {first["layer"]: "float32", last["layer"]: "float16"}
+    assert r.dtypes() == {first["layer"]: "float32", relu["layer"]: "float16",
+                          last["layer"]: "float16"}
 
 
 def test_report_before_training_shows_dtypes_and_no_statistics():
     model = _model("adaptive_bfloat16")
     r = precision_report(model)
-    assert [row["compute_dtype"] for row in r.rows] == ["bfloat16", "bfloat16"]
+    assert [row["compute_dtype"] for row in r.rows] == ["bfloat16"] * 3
     assert all(row["stats"] is None and row["switches"] == 0 for row in r.rows)
-    assert "| - |" in str(r)
+    assert "| n/m |" in str(r)
 
 
 @pytest.mark.parametrize("policy, dtype", [("float32", "float32"),
@@ -61,7 +71,7 @@ def test_report_before_training_shows_dtypes_and_no_statistics():
 def test_report_of_a_model_that_is_not_adaptive(policy, dtype):
     r = precision_report(_model(policy))
     assert r.policy == policy and r.candidates == ()
-    assert [row["compute_dtype"] for row in r.rows] == [dtype, dtype]
+    assert [row["compute_dtype"] for row in r.rows] == [dtype] * 3
     assert str(r).startswith(f"policy: {policy}\n")
 
 

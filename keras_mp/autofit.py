@@ -1,0 +1,117 @@
+"""The global policy is enough: ``fit`` adapts a model built under an
+adaptive policy without the user adding a callback.
+
+Keras offers no hook between ``fit`` and the callbacks it runs, so keras-mp
+wraps one public method, ``keras.Model.fit``, once, on import. The wrapper
+looks at the model's layers: if they hold a :class:`keras_mp.AdaptivePolicy`
+and no :class:`keras_mp.callbacks.AdaptivePrecision` is among the callbacks,
+it adds one with default settings (the same one for every ``fit`` of that
+model, so a second ``fit`` continues the first). Everything else passes
+through untouched: models under a static policy, models that override
+``fit``, and calls that pass their own ``AdaptivePrecision`` (which is how
+to configure it).
+
+:func:`set_enabled` turns this off (and on again); with it off, an adaptive
+model trained without ``AdaptivePrecision`` keeps its precisions and a
+warning says so once.
+
+Example:
+    >>> import keras, numpy as np, keras_mp
+    >>> keras_mp.set_global_policy("adaptive_bfloat16")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+    >>> type(keras_mp.autofit.callback_of(model)).__name__
+    'AdaptivePrecision'
+    >>> keras_mp.set_global_policy("float32")
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import keras
+
+from keras_mp import policies
+
+__all__ = ["callback_of", "enabled", "install", "set_enabled"]
+
+_ATTR = "_keras_mp_auto_callback"
+_state = {"enabled": True, "warned": False, "keras_fit": None}
+
+
+def enabled() -> bool:
+    """Whether ``fit`` adds an ``AdaptivePrecision`` to adaptive models."""
+    return _state["enabled"]
+
+
+def set_enabled(value: bool) -> None:
+    """Turns the automatic ``AdaptivePrecision`` in ``fit`` on or off.
+
+    Args:
+        value: True or False.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"`value` must be True or False, got {value!r}.")
+    _state["enabled"] = value
+
+
+def callback_of(model: keras.Model):
+    """The ``AdaptivePrecision`` that ``fit`` added to ``model``, or None."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
+                        f"{type(model).__name__}.")
+    return model.__dict__.get(_ATTR)
+
+
+def _with_adaptive(model: keras.Model, callbacks):
+    from keras_mp.callbacks import AdaptivePrecision  # callbacks imports much; late
+
+    given = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) \
+        else list(callbacks or [])
+    if any(isinstance(cb, AdaptivePrecision) for cb in given):
+        return callbacks
+    if policies.policy_of(model) is None:
+        return callbacks
+    if not _state["enabled"]:
+        if not _state["warned"]:
+            _state["warned"] = True
+            warnings.warn(
+                "keras_mp: this model uses an adaptive policy, but automatic adaptation is "
+                "off (keras_mp.autofit.set_enabled(False)) and no "
+                "keras_mp.callbacks.AdaptivePrecision was passed to fit: its precisions stay "
+                "as they are. Pass callbacks=[keras_mp.callbacks.AdaptivePrecision()] to "
+                "adapt.", stacklevel=3)
+        return callbacks
+    cb = model.__dict__.get(_ATTR)
+    if cb is None:
+        cb = AdaptivePrecision()
+        object.__setattr__(model, _ATTR, cb)  # not state Keras should track
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.append(cb)
+        return callbacks
+    return [*given, cb]
+
+
+def install() -> None:
+    """Wraps ``keras.Model.fit`` (once; idempotent). Called on import."""
+    if _state["keras_fit"] is not None:
+        return
+    keras_fit = keras.Model.fit
+    signature = inspect.signature(keras_fit)
+    if "callbacks" not in signature.parameters:  # pragma: no cover - another Keras
+        return
+
+    @functools.wraps(keras_fit)
+    def fit(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        callbacks = bound.arguments.get("callbacks")
+        new = _with_adaptive(self, callbacks)
+        if new is not callbacks:
+            bound.arguments["callbacks"] = new
+        return keras_fit(*bound.args, **bound.kwargs)
+
+    _state["keras_fit"] = keras_fit
+    keras.Model.fit = fit

@@ -1,0 +1,135 @@
+"""Forward statistics: what one layer's call did to the range of its dtype.
+
+On a statistics step every controlled layer's call is observed (see
+:mod:`keras_mp.hooks`): its floating inputs *as the layer received them*
+(after Keras's cast to its compute dtype, so an input that overflowed in the
+cast arrives as inf) and its floating outputs. :func:`layer_statistics`
+reduces them to a few numbers, inside the traced step:
+
+==================  ==========================================================
+``in_amax``         largest finite ``|input|`` (float32).
+``out_amax``        largest finite ``|output|``.
+``in_range``        1 if an input was non-finite or beyond the largest finite
+                    value of the layer's compute dtype (so it overflows, or
+                    overflowed, when cast there), else 0.
+``out_nonfinite``   1 if an output held inf or nan, else 0.
+``out_near_max``    1 if a finite output came within a factor
+                    :data:`NEAR_MAX` of the dtype's largest finite value
+                    (the next larger activation overflows), else 0.
+``out_flushed``     fraction of output elements below the dtype's smallest
+                    normal number but not zero: precision lost to
+                    subnormals (or to zero, on hardware that flushes them).
+==================  ==========================================================
+
+The 0/1 fields become, accumulated over an interval, the fraction of the
+observed steps in which it happened.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from keras_mp.forward import FIELDS, layer_statistics
+    >>> s = layer_statistics([tf.constant([1e5, 1.0])], [tf.constant([2.0, 1e-6])], "float16")
+    >>> dict(zip(FIELDS, [round(float(v), 3) for v in s]))
+    {'in_amax': 100000.0, 'out_amax': 2.0, 'in_range': 1.0, 'out_nonfinite': 0.0, \
+'out_near_max': 0.0, 'out_flushed': 0.5}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import keras
+import ml_dtypes
+import tensorflow as tf
+
+__all__ = ["FIELDS", "MAX_FIELDS", "NEAR_MAX", "dtype_max", "dtype_tiny", "floating_tensors",
+           "layer_statistics"]
+
+#: The forward statistics, in the order of :func:`layer_statistics`'s vector.
+FIELDS: tuple[str, ...] = ("in_amax", "out_amax", "in_range", "out_nonfinite", "out_near_max",
+                           "out_flushed")
+#: The fields accumulated by maximum (the others are summed, then averaged).
+MAX_FIELDS: tuple[str, ...] = ("in_amax", "out_amax")
+#: An output within this factor of the dtype's largest finite value is near it.
+NEAR_MAX: float = 16.0
+
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _float(dtype: str) -> str:
+    try:
+        name = keras.backend.standardize_dtype(dtype)
+    except ValueError:
+        name = None
+    if name not in _FLOATS:
+        raise ValueError(f"`dtype` must be one of {_FLOATS}, got {dtype!r}.")
+    return name
+
+
+def dtype_max(dtype: str) -> float:
+    """The largest finite value of a float dtype.
+
+    Example:
+        >>> dtype_max("float16"), dtype_max("bfloat16") > 3e38
+        (65504.0, True)
+    """
+    return float(ml_dtypes.finfo(_float(dtype)).max)
+
+
+def dtype_tiny(dtype: str) -> float:
+    """The smallest normal positive value of a float dtype.
+
+    Example:
+        >>> dtype_tiny("float16")
+        6.103515625e-05
+    """
+    return float(ml_dtypes.finfo(_float(dtype)).tiny)
+
+
+def floating_tensors(structure) -> list[tf.Tensor]:
+    """The floating-point tensors in a nested structure (others are skipped:
+    integer ids, masks, strings, None)."""
+    out = []
+    for x in keras.tree.flatten(structure):
+        if isinstance(x, (tf.Tensor, tf.Variable)) or keras.ops.is_tensor(x):
+            if x.dtype.is_floating:
+                out.append(x)
+    return out
+
+
+def _amax_and_flags(tensors: Sequence[tf.Tensor]):
+    """(largest finite |x|, any non-finite, element count, flat |x|s) over ``tensors``."""
+    absolute = [tf.reshape(tf.abs(tf.cast(x, tf.float32)), [-1]) for x in tensors]
+    a = tf.concat(absolute, 0) if len(absolute) > 1 else absolute[0]
+    finite = tf.math.is_finite(a)
+    amax = tf.reduce_max(tf.where(finite, a, 0.0))
+    nonfinite = tf.logical_not(tf.reduce_all(finite))
+    return tf.maximum(amax, 0.0), nonfinite, finite, a
+
+
+def layer_statistics(inputs: Sequence[tf.Tensor], outputs: Sequence[tf.Tensor],
+                     dtype: str) -> tf.Tensor:
+    """One call's forward statistics, a float32 vector in :data:`FIELDS` order.
+
+    Args:
+        inputs: the call's floating inputs (may be empty).
+        outputs: the call's floating outputs (may be empty).
+        dtype: the layer's compute dtype.
+
+    Returns:
+        A ``[len(FIELDS)]`` float32 tensor.
+    """
+    big, tiny = dtype_max(dtype), dtype_tiny(dtype)
+    zero = tf.constant(0.0)
+    in_amax = in_range = zero
+    if inputs:
+        in_amax, in_bad, _, _ = _amax_and_flags(inputs)
+        in_range = tf.cast(tf.logical_or(in_bad, in_amax > big), tf.float32)
+    out_amax = out_nonfinite = out_near = out_flushed = zero
+    if outputs:
+        out_amax, out_bad, finite, a = _amax_and_flags(outputs)
+        out_nonfinite = tf.cast(out_bad, tf.float32)
+        out_near = tf.cast(out_amax >= big / NEAR_MAX, tf.float32)
+        flushed = tf.logical_and(tf.logical_and(a > 0.0, a < tiny), finite)
+        out_flushed = tf.reduce_mean(tf.cast(flushed, tf.float32))
+    return tf.stack([in_amax, out_amax, in_range, out_nonfinite, out_near, out_flushed])

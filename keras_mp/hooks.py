@@ -1,0 +1,227 @@
+"""Trace-time hooks: how the adaptive policy sees inside a Keras train step.
+
+Keras has no forward hooks, and the adaptive policy must not cost anything on
+the steps where it does not look. :class:`Hooks` wraps, per instance, three
+callables that Keras looks up when it traces a step:
+
+* each controlled layer's ``call``: on a statistics trace, records the
+  layer's forward statistics (:mod:`keras_mp.forward`) and the order in which
+  layers are called (the forward order, input first);
+* the model's ``train_step``: on a probe trace, first runs the float32 probe
+  (:mod:`keras_mp.probe`) on the same batch, applying nothing;
+* the optimizer's ``apply``, where the optimizer is not a
+  :class:`keras_mp.LossScaleOptimizer` (which has its own
+  ``statistics_sink``): on a statistics trace, measures the gradients
+  (:func:`keras_mp.kernels.gradient_statistics`) and hands them to the sink.
+
+Each wrapper checks a Python flag **when the step is traced**: the
+statistics and probe variants of the train function are separate traces (see
+:class:`keras_mp.callbacks.AdaptivePrecision`), and the plain trace contains
+no extra op. The forward statistics and probe results recorded while a step
+is traced wait in :attr:`Hooks.pending` until the statistics sink of the same
+trace takes them (:meth:`Hooks.take`), so one all-reduce and one accumulation
+serve gradients, forward statistics and the probe alike.
+
+Example (what a statistics trace records):
+    >>> import keras, tensorflow as tf
+    >>> from keras_mp.hooks import Hooks
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3),
+    ...                           keras.layers.ReLU()])
+    >>> hooks = Hooks(model, model.layers)
+    >>> @tf.function
+    ... def step(x):
+    ...     with hooks.recording(forward=True):
+    ...         model(x, training=True)
+    ...         return hooks.take()[0]
+    >>> step(tf.ones([4, 2])).shape.as_list(), hooks.call_order
+    ([2, 6], [0, 1])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import keras
+import tensorflow as tf
+
+from keras_mp import forward, kernels
+
+__all__ = ["Hooks"]
+
+_CALL_ATTR = "_keras_mp_wrapped_call"
+
+
+def _current_graph():
+    return tf.compat.v1.get_default_graph()
+
+
+def _training() -> bool:
+    """Whether the innermost Keras layer call runs in training mode."""
+    from keras.src.backend.common import global_state  # no public equivalent
+
+    ctx = global_state.get_global_attribute("current_call_ctx")
+    return bool(ctx is not None and ctx.training)
+
+
+class Hooks:
+    """Trace-time hooks on one model (see the module docstring).
+
+    Args:
+        model: the Keras model.
+        layers: the layers to observe, indexed as in
+            :class:`keras_mp.stats.LayerStatistics`.
+
+    Attributes:
+        forward: record forward statistics in the step being traced.
+        probe: run the probe (``probe_fn``) in the train step being traced.
+        probe_fn: ``probe_fn(data)`` -> result tensors, set by the owner.
+        call_order: layer indices in the order of their first call in the
+            last statistics trace (the forward order), or empty.
+    """
+
+    def __init__(self, model: keras.Model, layers: Sequence[keras.layers.Layer]):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
+                            f"{type(model).__name__}.")
+        bad = [layer for layer in layers if not isinstance(layer, keras.layers.Layer)]
+        if bad:
+            raise TypeError(f"`layers` must hold Keras layers, got {bad[0]!r}.")
+        self.model = model
+        self.layers = list(layers)
+        self.forward = False
+        self.probe = False
+        self.probe_fn: Callable | None = None
+        self.call_order: list[int] = []
+        # Per (graph, thread): replicas of a MirroredStrategy trace the same
+        # step in threads of their own.
+        self._slots: dict[tuple[int, int], dict] = {}
+        self._order: list[int] = []
+        for i, layer in enumerate(self.layers):
+            self._wrap_call(i, layer)
+        self._wrap_train_step()
+
+    # -- recording ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def recording(self, *, forward: bool = False, probe: bool = False) -> Iterator[None]:
+        """Sets the flags for the step traced inside the block, then clears them."""
+        old = (self.forward, self.probe)
+        self.forward, self.probe = forward, probe
+        try:
+            yield
+        finally:
+            self.forward, self.probe = old
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No forward recording inside the block (the probe's own passes)."""
+        old, self.forward = self.forward, False
+        try:
+            yield
+        finally:
+            self.forward = old
+
+    def _slot(self) -> dict:
+        key = (id(_current_graph()), threading.get_ident())
+        if key not in self._slots:
+            # A new trace: what older traces left unconsumed is stale.
+            self._slots = {k: v for k, v in self._slots.items() if k[0] == key[0]}
+            self._slots[key] = {}
+            self._order = []
+        return self._slots[key]
+
+    def _observe(self, index: int, layer, args, kwargs, outputs) -> None:
+        inputs = forward.floating_tensors((args, kwargs))
+        outs = forward.floating_tensors(outputs)
+        vec = forward.layer_statistics(inputs, outs, layer.compute_dtype)
+        seen = self._slot().setdefault("forward", {})
+        seen[index] = vec if index not in seen else _combine(seen[index], vec)
+
+    def _wrap_call(self, index: int, layer) -> None:
+        if getattr(layer, _CALL_ATTR, None) is not None:
+            original = getattr(layer, _CALL_ATTR)
+        else:
+            original = layer.call
+            object.__setattr__(layer, _CALL_ATTR, original)
+        hooks = self
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            if not (hooks.forward and _training()):
+                return original(*args, **kwargs)
+            hooks._slot()  # starts the order anew on a new trace
+            if index not in hooks._order:
+                hooks._order.append(index)
+            outputs = original(*args, **kwargs)
+            hooks._observe(index, layer, args, kwargs, outputs)
+            return outputs
+
+        # Not Keras's __setattr__: a function is not state to track.
+        object.__setattr__(layer, "call", call)
+
+    def _wrap_train_step(self) -> None:
+        model = self.model
+        original = model.__dict__.get("_keras_mp_train_step") or model.train_step
+        object.__setattr__(model, "_keras_mp_train_step", original)
+        hooks = self
+
+        @functools.wraps(original)
+        def train_step(data):
+            if hooks.probe and hooks.probe_fn is not None:
+                with hooks.paused():
+                    result = hooks.probe_fn(data)
+                hooks._slot()["probe"] = result
+            return original(data)
+
+        object.__setattr__(model, "train_step", train_step)
+
+    def hook_optimizer(self, optimizer, sink: Callable) -> None:
+        """Measures gradients for ``sink`` in ``optimizer.apply`` on statistics
+        traces (for optimizers without a ``statistics_sink`` of their own)."""
+        original = optimizer.__dict__.get("_keras_mp_apply") or optimizer.apply
+        object.__setattr__(optimizer, "_keras_mp_apply", original)
+        hooks = self
+
+        @functools.wraps(original)
+        def apply(grads, trainable_variables=None):
+            if hooks.forward:
+                grads = list(grads)
+                tvars = trainable_variables if trainable_variables is not None \
+                    else optimizer._trainable_variables
+                sink(kernels.gradient_statistics(grads, 1.0), tf.constant(1.0), tvars)
+            return original(grads, trainable_variables)
+
+        object.__setattr__(optimizer, "apply", apply)
+
+    def take(self) -> tuple[tf.Tensor | None, tf.Tensor | None, object]:
+        """What the step being traced recorded, and forgets it.
+
+        Returns:
+            ``(forward, observed, probe)``: forward statistics as a
+            ``[len(layers), len(forward.FIELDS)]`` tensor (zeros where a layer
+            was not called) and a ``[len(layers)]`` 0/1 tensor saying which
+            were; or ``(None, None, probe)`` if nothing was recorded; ``probe``
+            is what ``probe_fn`` returned, or None.
+        """
+        pending = self._slots.pop((id(_current_graph()), threading.get_ident()), {})
+        if "forward" not in pending and "probe" not in pending:
+            return None, None, None
+        seen = pending.get("forward", {})
+        probe = pending.get("probe", None)
+        if self._order:
+            self.call_order = list(self._order)
+        if not seen:
+            return None, None, probe
+        zeros = tf.zeros([len(forward.FIELDS)])
+        rows = tf.stack([seen.get(i, zeros) for i in range(len(self.layers))])
+        observed = tf.constant([1.0 if i in seen else 0.0 for i in range(len(self.layers))])
+        return rows, observed, probe
+
+
+def _combine(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """Two calls of one layer in a step: maxima of every field but the
+    flushed fraction, which is averaged."""
+    return tf.concat([tf.maximum(a[:-1], b[:-1]), (a[-1:] + b[-1:]) / 2.0], 0)

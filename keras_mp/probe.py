@@ -1,0 +1,162 @@
+"""The float32 probe: how much rounding in the configured dtypes costs.
+
+Range statistics cannot see a narrow dtype's *rounding*: a regression whose
+targets sit near 1000 trains in bfloat16 with finite, normal gradients and
+still ends far worse than in float32 (bfloat16's spacing at 1000 is 8). The
+probe measures it directly. On a probe step, before the real update, the same
+batch runs twice, each inside a ``StatelessScope`` so nothing is applied (no
+weight, no optimizer slot, no BatchNormalization statistic, no metric, and the
+same dropout masks in both runs):
+
+1. as configured, every controlled layer in its current dtype (layers on
+   trial for a demotion in the narrower dtype they are tried in), with the
+   optimizer's loss scale;
+2. with every controlled layer in float32: the reference.
+
+It returns the loss's relative error and, per layer with trainable
+variables, the relative error and the cosine of its gradient (all its
+variables together) against the reference:
+
+* ``loss_error = |L - L32| / |L32|``
+* ``grad_error = ||g - g32|| / ||g32||``
+* ``cosine = <g, g32> / (||g|| ||g32||)``
+
+A probe whose configured gradients are not finite (a loss scale too large
+for this step) measures nothing (``valid`` is 0): overflow is the loss
+scaler's business and the forward statistics'.
+
+Example:
+    >>> import keras, numpy as np, tensorflow as tf, keras_mp
+    >>> from keras_mp import policies, probe
+    >>> keras_mp.set_global_policy("adaptive_bfloat16")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> policy = policies.policy_of(model)
+    >>> layers = policies.adaptive_layers(model, policy)
+    >>> x = tf.ones([8, 4]); y = 1000.0 + tf.zeros([8, 1])
+    >>> r = tf.function(lambda: probe.probe(model, (x, y), policy, layers))()
+    >>> float(r.valid), float(r.loss_error) >= 0.0, r.grad_error.shape.as_list()
+    (1.0, True, [1])
+    >>> keras_mp.set_global_policy("float32")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import keras
+import tensorflow as tf
+
+from keras_mp import policies
+from keras_mp.stats import variable_path
+
+__all__ = ["ProbeResult", "probe"]
+
+_TINY = 1e-30
+
+
+class ProbeResult(NamedTuple):
+    """One probe's measurements (float32 tensors).
+
+    Attributes:
+        valid: 1.0 if the configured gradients were finite, else 0.0.
+        loss_error: ``|L - L32| / |L32|``.
+        grad_error: ``[len(layers)]``, per layer (0 for a layer without
+            trainable variables; see ``measured``).
+        cosine: ``[len(layers)]``, per layer (1 where not measured).
+        measured: ``[len(layers)]``, 1.0 for layers with gradients.
+    """
+
+    valid: tf.Tensor
+    loss_error: tf.Tensor
+    grad_error: tf.Tensor
+    cosine: tf.Tensor
+    measured: tf.Tensor
+
+
+def _loss_and_grads(model, x, y, sample_weight, scale, tvars):
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    with StatelessScope():  # nothing is applied: weights, slots, statistics, seeds
+        with tf.GradientTape() as tape:
+            if model._call_has_training_arg:
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                      training=True)
+            loss = tf.cast(loss, tf.float32)
+            scaled = loss * scale
+        grads = tape.gradient(scaled, tvars)
+    out = []
+    for g, v in zip(grads, tvars):
+        if g is None:
+            out.append(tf.zeros(v.shape, tf.float32))
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        out.append(tf.cast(g, tf.float32) / scale)
+    return loss, out
+
+
+def probe(model: keras.Model, data, policy: policies.AdaptivePolicy,
+          layers: Sequence[keras.layers.Layer], *, scale=1.0,
+          trial: Mapping[str, str] | None = None) -> ProbeResult:
+    """Runs the probe on one batch (inside a traced step; see the module docstring).
+
+    Args:
+        model: a compiled Keras model.
+        data: the batch as the train step gets it (``x``, ``(x, y)`` or
+            ``(x, y, sample_weight)``).
+        policy: the model's :class:`keras_mp.AdaptivePolicy`.
+        layers: the controlled layers; results are indexed like them.
+        scale: the loss scale for the configured run (float16 gradients
+            underflow without it).
+        trial: layer path -> dtype for layers tried in another dtype than
+            their current one.
+
+    Returns:
+        A :class:`ProbeResult`.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r}.")
+    if not isinstance(policy, policies.AdaptivePolicy):
+        raise TypeError(f"`policy` must be a keras_mp.AdaptivePolicy, got {policy!r}.")
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    tvars = list(model.trainable_variables)
+    scale = tf.cast(tf.convert_to_tensor(scale), tf.float32)
+    with policy.overriding(dict(trial or {})):
+        loss, grads = _loss_and_grads(model, x, y, sample_weight, scale, tvars)
+    paths = [layer.path for layer in layers]
+    with policy.overriding({p: "float32" for p in paths}):
+        loss32, grads32 = _loss_and_grads(model, x, y, sample_weight, tf.constant(1.0), tvars)
+
+    n = len(layers)
+    owner: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        for v in layer._trainable_variables:
+            owner[variable_path(v)] = i
+    seg = tf.constant([owner.get(variable_path(v), n) for v in tvars] or [n], tf.int32)
+
+    def per_var(fn):
+        if not tvars:
+            return tf.zeros([1])
+        return tf.stack([fn(g, r) for g, r in zip(grads, grads32)])
+
+    diff2 = per_var(lambda g, r: tf.reduce_sum(tf.square(g - r)))
+    ref2 = per_var(lambda g, r: tf.reduce_sum(tf.square(r)))
+    own2 = per_var(lambda g, r: tf.reduce_sum(tf.square(g)))
+    dot = per_var(lambda g, r: tf.reduce_sum(g * r))
+    finite = tf.reduce_all(tf.math.is_finite(own2)) & tf.math.is_finite(loss)
+    sums = [tf.math.unsorted_segment_sum(t, seg, n + 1)[:n] for t in (diff2, ref2, own2, dot)]
+    diff2, ref2, own2, dot = sums
+    measured = tf.constant([1.0 if any(v.trainable for v in layer._trainable_variables)
+                            else 0.0 for layer in layers])
+    grad_error = tf.sqrt(diff2) / tf.maximum(tf.sqrt(ref2), _TINY) * measured
+    cosine = tf.where(measured > 0, dot / tf.maximum(tf.sqrt(own2 * ref2), _TINY), 1.0)
+    loss_error = tf.abs(loss - loss32) / tf.maximum(tf.abs(loss32), _TINY)
+    valid = tf.cast(finite, tf.float32)
+    clean = lambda t: tf.where(finite, t, tf.zeros_like(t))  # noqa: E731
+    return ProbeResult(valid, clean(loss_error), clean(grad_error),
+                       tf.where(finite, cosine, tf.ones_like(cosine)), measured)

@@ -1,0 +1,362 @@
+"""The adaptive policy's evidence beyond gradients: every layer controlled,
+forward statistics, the float32 probe, the global policy alone, and nothing
+running where there is nothing to adapt.
+
+The demonstrations build each failing case honestly, check that the static
+policy really fails it, and require adaptive to end within 1 accuracy point of
+float32 (or a test MSE <= 1.5x float32's) with at least half of the Dense
+layers still in the narrow dtype. Figures are printed (``pytest -s``) and
+quoted in docs/adaptive.md.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_mp
+from keras_mp import autofit, datasets, policies
+from keras_mp.callbacks import AdaptivePrecision
+from keras_mp.report import precision_report
+
+
+def _fit(build, data, policy, cbs=(), *, epochs, batch_size, lr, loss, metrics=("accuracy",)):
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    policies.set_global_policy(policy)
+    (x, y), (xv, yv) = data
+    model = build(x)
+    model.compile(optimizer=keras.optimizers.Adam(lr), loss=loss, metrics=list(metrics))
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=list(cbs))
+    return model, model.evaluate(xv, yv, verbose=0)
+
+
+def _dense(model):
+    return [layer for layer in model._flatten_layers(include_self=False)
+            if isinstance(layer, keras.layers.Dense)]
+
+
+def _assert_mostly_narrow(model, narrow):
+    dense = _dense(model)
+    kept = [layer for layer in dense if layer.compute_dtype == narrow]
+    assert 2 * len(kept) >= len(dense), [(layer.name, layer.compute_dtype) for layer in dense]
+
+
+# -- float16: raw features normalized inside the model -------------------------
+
+def _raw_features(n, seed):
+    """Binary labels from 16 features in raw units (scale 1e5: beyond
+    float16's 65504 for about half of them)."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(n, 16)).astype("float32")
+    w = np.random.default_rng(7).normal(size=(16,)).astype("float32")
+    return (1e5 * z).astype("float32"), (z @ w > 0).astype("float32")[:, None]
+
+
+def _in_model_normalization(kind):
+    def build(x):
+        if kind == "rescaling":
+            first = keras.layers.Rescaling(1e-5)
+        else:
+            first = keras.layers.Normalization()
+            first.adapt(x)
+        return keras.Sequential([keras.Input((16,)), first,
+                                 keras.layers.Dense(32, activation="relu"),
+                                 keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+    return build
+
+
+@pytest.mark.parametrize("kind, culprit", [("rescaling", keras.layers.Rescaling),
+                                           ("normalization", keras.layers.Normalization)])
+def test_float16_in_model_normalization_is_rescued_by_forward_statistics(kind, culprit):
+    data = (_raw_features(2048, 0), _raw_features(512, 1))
+    kw = dict(epochs=4, batch_size=64, lr=3e-3,
+              loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    build = _in_model_normalization(kind)
+    acc32 = _fit(build, data, "float32", **kw)[1][1]
+    acc16 = _fit(build, data, "mixed_float16", **kw)[1][1]
+    cb = AdaptivePrecision(interval=8)
+    model, (_, acc) = _fit(build, data, "adaptive_float16", [cb], **kw)
+    print(f"{kind}: float32 {acc32:.4f}  mixed_float16 {acc16:.4f}  adaptive {acc:.4f}")
+    print(precision_report(model))
+    assert acc16 <= acc32 - 0.2  # the static policy fails honestly
+    assert acc >= acc32 - 0.01
+    # The weightless (or weight-frozen) layer whose float16 input overflows
+    # is the one promoted, first and alone: every Dense layer stays float16.
+    assert [(type(layer), layer.compute_dtype) for layer in model.layers][0] == \
+        (culprit, "float32")
+    assert cb.events[0]["reason"] == "input_range" and len(cb.events) == 1
+    assert all(layer.compute_dtype == "float16" for layer in _dense(model))
+
+
+# -- bfloat16: rounding loss, seen by the probe --------------------------------
+
+def _offset_regression(n, seed):
+    """Targets near 1000, where bfloat16's spacing is 4 to 8."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = 1000.0 + 3.0 * np.sin(x[:, :4]).sum(1, keepdims=True) + x[:, 4:5] * x[:, 5:6]
+    return x, y.astype("float32")
+
+
+def _regression_model(x):
+    return keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(64, activation="relu"), keras.layers.Dense(64, activation="relu"),
+        # the output bias starts at the targets' mean, as one would do
+        keras.layers.Dense(1, bias_initializer=keras.initializers.Constant(1000.0))])
+
+
+def test_bfloat16_rounding_loss_is_rescued_by_the_probe():
+    data = (_offset_regression(2048, 0), _offset_regression(1024, 1))
+    kw = dict(epochs=8, batch_size=64, lr=3e-3, loss="mse", metrics=())
+    mse32 = _fit(_regression_model, data, "float32", **kw)[1]
+    mse16 = _fit(_regression_model, data, "mixed_bfloat16", **kw)[1]
+    cb = AdaptivePrecision(interval=32)
+    model, mse = _fit(_regression_model, data, "adaptive_bfloat16", [cb], **kw)
+    print(f"test MSE: float32 {mse32:.4g}  mixed_bfloat16 {mse16:.4g}  adaptive {mse:.4g}")
+    print(precision_report(model))
+    assert mse16 >= 2 * mse32  # static bfloat16 is measurably worse
+    assert mse <= 1.5 * mse32
+    assert [(e["layer"], e["reason"]) for e in cb.events] == [
+        (model.layers[-1].path, "probe_error")]  # where the rounding enters: the output
+    _assert_mostly_narrow(model, "bfloat16")
+    row = precision_report(model).rows[-1]
+    assert row["measured"]["probe"] and row["probe"]["loss_error"] < 0.1
+
+
+# -- float16: attention logits beyond float16 ----------------------------------
+
+def _sequences(n, seed):
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(n, 16, 8)).astype("float32")
+    y = (z[:, :, 0].mean(1) + z[:, :, 1].max(1) > 1.2).astype("float32")[:, None]
+    return (100.0 * z).astype("float32"), y  # large activations: logits ~1e5
+
+
+def _attention_model(x):
+    inp = keras.Input((16, 8))
+    h = keras.layers.Dense(32)(inp)
+    a = keras.layers.MultiHeadAttention(2, 16)(h, h)
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Add()([h, a]))
+    h = keras.layers.Dense(32, activation="relu")(h)
+    return keras.Model(inp, keras.layers.Dense(1)(h))
+
+
+def test_float16_attention_logits_overflow_is_rescued():
+    data = (_sequences(1024, 0), _sequences(512, 1))
+    kw = dict(epochs=4, batch_size=32, lr=1e-3,
+              loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    acc32 = _fit(_attention_model, data, "float32", **kw)[1][1]
+    acc16 = _fit(_attention_model, data, "mixed_float16", **kw)[1][1]
+    cb = AdaptivePrecision(interval=8)
+    model, (_, acc) = _fit(_attention_model, data, "adaptive_float16", [cb], **kw)
+    print(f"attention: float32 {acc32:.4f}  mixed_float16 {acc16:.4f}  adaptive {acc:.4f}")
+    print(precision_report(model))
+    assert acc16 <= acc32 - 0.1
+    assert acc >= acc32 - 0.01
+    mha = next(layer for layer in model.layers
+               if isinstance(layer, keras.layers.MultiHeadAttention))
+    first = cb.events[0]
+    assert (first["layer"], first["reason"]) == (mha.path, "output_nonfinite")
+    # the composite takes its projections along: the scores come out of them
+    assert mha.compute_dtype == "float32" and mha._query_dense.compute_dtype == "float32"
+    assert {e["reason"] for e in cb.events[1:7]} == {"with_parent"}
+    _assert_mostly_narrow(model, "float16")
+
+
+# -- healthy models: no false promotion ----------------------------------------
+
+def _digits_model(kind):
+    def build(x):
+        if kind == "mlp":
+            return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                                     keras.layers.Dense(128, activation="relu"),
+                                     keras.layers.Dense(128, activation="relu"),
+                                     keras.layers.Dense(10)])
+        if kind == "cnn":
+            return keras.Sequential([
+                keras.Input((8, 8, 1)),
+                keras.layers.Conv2D(16, 3, activation="relu", padding="same"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Conv2D(32, 3, activation="relu", padding="same"),
+                keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+        inp = keras.Input((8, 8, 1))
+        h = keras.layers.Dense(32)(keras.layers.Reshape((8, 8))(inp))
+        a = keras.layers.MultiHeadAttention(2, 16)(h, h)
+        h = keras.layers.LayerNormalization()(keras.layers.Add()([h, a]))
+        f = keras.layers.Dense(32)(keras.layers.Dense(64, activation="gelu")(h))
+        h = keras.layers.LayerNormalization()(keras.layers.Add()([h, f]))
+        return keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
+    return build
+
+
+@pytest.mark.parametrize("kind, policy", [("mlp", "adaptive_bfloat16"),
+                                          ("cnn", "adaptive_bfloat16"),
+                                          ("transformer", "adaptive_bfloat16"),
+                                          ("mlp", "adaptive_float16")])
+def test_healthy_model_keeps_every_layer_narrow(kind, policy):
+    data = datasets.load_digits()
+    cb = AdaptivePrecision(interval=10)  # a decision and a probe every 10 steps
+    model, (_, acc) = _fit(_digits_model(kind), data, policy, [cb], epochs=6, batch_size=32,
+                           lr=1e-3, loss=keras.losses.SparseCategoricalCrossentropy(
+                               from_logits=True))
+    narrow = policies.policy_of(model).candidates[0]
+    report = precision_report(model)
+    print(f"{kind} {policy}: accuracy {acc:.4f}")
+    print(report)
+    assert cb.events == []  # no false promotion, no probe-triggered switch
+    assert {row["compute_dtype"] for row in report.rows} == {narrow}
+    assert all(row["measured"]["forward"] for row in report.rows
+               if row["class"] not in ("Dropout", "Softmax"))  # inside the fused attention
+    assert any(row["measured"]["probe"] for row in report.rows)
+    assert acc > 0.75
+
+
+# -- mechanics -----------------------------------------------------------------
+
+def _small(policy):
+    keras.utils.clear_session()
+    policies.set_global_policy(policy)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.ReLU(),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _xy(n=32):
+    x = np.random.default_rng(0).normal(size=(n, 4)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def test_every_layer_is_controlled_weightless_nested_and_inner():
+    policies.set_global_policy("adaptive_bfloat16")
+    inner = keras.Sequential([keras.layers.Dense(4), keras.layers.Activation("tanh")],
+                             name="inner")
+    inp = keras.Input((6, 4))
+    h = keras.layers.Rescaling(0.5)(inp)
+    h = inner(h)
+    a = keras.layers.MultiHeadAttention(2, 2)(h, h)
+    h = keras.layers.Concatenate()([keras.layers.Multiply()([h, a]), h])
+    out = keras.layers.Softmax()(keras.layers.GlobalMaxPooling1D()(
+        keras.layers.Lambda(lambda t: t * 2.0)(h)))
+    model = keras.Model(inp, out)
+    policy = policies.policy_of(model)
+    classes = [type(layer).__name__ for layer in policies.adaptive_layers(model, policy)]
+    for name in ("Rescaling", "Dense", "Activation", "MultiHeadAttention", "EinsumDense",
+                 "Softmax", "Dropout", "Multiply", "Concatenate", "Lambda",
+                 "GlobalMaxPooling1D"):
+        assert name in classes, name
+    assert "Sequential" not in classes and "InputLayer" not in classes
+    # Weightless layers get a path of their own, so an assignment reaches them.
+    softmax = model.layers[-1]
+    policy.assign(softmax.path, "float32")
+    assert softmax.compute_dtype == "float32" and model.layers[-2].compute_dtype == "bfloat16"
+    keras_mp.set_global_policy("float32")
+
+
+def test_forward_statistics_only_on_sampled_steps_and_in_forward_order():
+    model = _small("adaptive_bfloat16")
+    cb = AdaptivePrecision(interval=100, statistics_every=3, probe_every=None)
+    model.fit(*_xy(72), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 9 calls
+    interval = cb._stats.read()
+    assert [s.forward_steps for s in interval.layers] == [3, 3, 3]
+    relu = interval.layers[1]
+    assert not relu.gradients and relu.out_amax > 0 and relu.in_amax >= relu.out_amax
+    assert cb._hooks.call_order == [0, 1, 2]
+    assert interval.probe_steps == 0
+
+
+def test_probe_applies_nothing_and_runs_every_probe_every_calls():
+    model = _small("adaptive_bfloat16")
+    cb = AdaptivePrecision(interval=100, probe_every=4)
+    x, y = _xy(64)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 8 calls: 2 probes
+    interval = cb._stats.read()
+    assert interval.probe_steps == 2
+    dense = interval.layers[0]
+    assert dense.probe_steps == 2 and 0 < dense.grad_error < 0.5 and dense.cosine > 0.9
+    assert int(model.optimizer.iterations) == 8
+    # the probe changes no weight, slot or iteration: a run probing every step
+    # ends bitwise where the same run without probes ends
+    a = _small("adaptive_bfloat16")
+    b = _small("adaptive_bfloat16")
+    b.set_weights(a.get_weights())
+    a.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+          callbacks=[AdaptivePrecision(interval=100, probe_every=1)])
+    b.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+          callbacks=[AdaptivePrecision(interval=100, probe_every=None)])
+    for wa, wb in zip(a.weights + a.optimizer.variables,
+                      b.weights + b.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(wa), np.asarray(wb))
+    assert int(a.optimizer.iterations) == int(b.optimizer.iterations) == 8
+
+
+def test_custom_loop_gets_forward_statistics_and_probes():
+    model = _small("adaptive_bfloat16")
+    cb = AdaptivePrecision(interval=100)
+    cb.set_model(model)
+    opt = model.optimizer
+    x, y = _xy(16)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((tf.cast(model(x, training=True), "float32") - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+
+    for _ in range(3):
+        step(x, y)
+        cb.step_end()
+    cb.probe((x, y))
+    interval = cb._stats.read()
+    assert interval.steps == 3 and [s.forward_steps for s in interval.layers] == [3, 3, 3]
+    assert interval.probe_steps == 1 and interval.layers[0].probe_steps == 1
+
+
+def test_float32_only_runs_nothing():
+    model = _small(keras_mp.AdaptivePolicy(candidates=("float32",)))
+    optimizer = model.optimizer
+    cb = AdaptivePrecision(interval=2, statistics_every=1)
+    model.fit(*_xy(), batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+    assert model.optimizer is optimizer  # no loss-scale wrapper
+    assert not hasattr(model, "_keras_mp_hooks") and not hasattr(model, "_keras_mp_statistics")
+    assert "train_step" not in model.__dict__  # Keras's own train step, unwrapped
+    assert cb.events == []
+
+
+def test_the_global_policy_is_enough():
+    model = _small("adaptive_float16")
+    x, y = _xy(16)
+    x[::8, 0] = 7e4  # beyond float16: the first layer's input overflows
+    model.fit(x, y, batch_size=8, epochs=12, verbose=0)  # no callback given
+    cb = autofit.callback_of(model)
+    assert isinstance(cb, AdaptivePrecision) and cb.interval == 100
+    assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)  # wired in by it
+    assert cb._calls == 24
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert autofit.callback_of(model) is cb and cb._calls == 26  # the same one continues
+    # a callback of the user's is used instead
+    mine = AdaptivePrecision(interval=2)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[mine])
+    assert mine.events and mine.events[0]["reason"] == "input_range"
+    assert model.layers[0].compute_dtype == "float32"
+    # static models are left alone
+    static = _small("mixed_bfloat16")
+    static.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert autofit.callback_of(static) is None
+
+
+def test_automatic_adaptation_can_be_turned_off_with_a_warning():
+    autofit.set_enabled(False)
+    try:
+        model = _small("adaptive_bfloat16")
+        autofit._state["warned"] = False
+        with pytest.warns(UserWarning, match="AdaptivePrecision"):
+            model.fit(*_xy(), batch_size=8, epochs=1, verbose=0)
+        assert autofit.callback_of(model) is None
+    finally:
+        autofit.set_enabled(True)
+    with pytest.raises(TypeError, match="`value`"):
+        autofit.set_enabled("no")
