@@ -126,13 +126,14 @@ class AdaptivePrecision(keras.callbacks.Callback):
             decision reads a few small variables from the device once.
         statistics_every: statistics are gathered on one train-function call
             in this many (an int in ``[1, interval]``); the other calls run a
-            trace without them. None: ``min(10, max(1, interval // 10))``,
-            about ten samples per decision (every step for intervals below 20).
+            trace without them. None: ``min(20, max(1, interval // 5))``,
+            five samples per decision (every step for intervals below 10).
         probe_every: the float32 probe runs on one call in this many (an int
             >= 1), or None for never (then demotions rest on range evidence
-            alone). Default: ``interval``, one probe per decision, on the
-            interval's last call. A probe costs about two extra forward and
-            backward passes. Models with a custom ``train_step`` get no probe.
+            alone). Default (``"auto"``): ``2 * interval``, on the last call of
+            every other decision interval. A probe costs about three extra
+            forward and backward passes, two of them in float32. Models with a
+            custom ``train_step`` get no probe.
         loss_scale: the schedule used when the callback wraps the optimizer
             (anything :class:`keras_mp.LossScaleOptimizer` accepts as
             ``schedule``); None: ``"dynamic"`` when float16 is a candidate and
@@ -157,21 +158,21 @@ class AdaptivePrecision(keras.callbacks.Callback):
     """
 
     def __init__(self, interval: int = 100, *, statistics_every: int | None = None,
-                 probe_every: int | None | str = "interval", loss_scale: Any = None,
+                 probe_every: int | None | str = "auto", loss_scale: Any = None,
                  log_dir: str | None = None, verbose: int = 0):
         super().__init__()
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"`interval` must be an int >= 1, got {interval!r}.")
         if statistics_every is None:
-            # About ten samples per decision, and never fewer than one step
-            # in ten: short intervals sample every step.
-            statistics_every = min(10, max(1, interval // 10))
+            # Five samples per decision, and never fewer than one step in 20
+            # (the overhead budget: `python -m benchmarks.adaptive_overhead`).
+            statistics_every = min(20, max(1, interval // 5))
         if isinstance(statistics_every, bool) or not isinstance(statistics_every, int) \
                 or not 1 <= statistics_every <= interval:
             raise ValueError("`statistics_every` must be an int in [1, interval] = "
                              f"[1, {interval}], got {statistics_every!r}.")
-        if probe_every == "interval":
-            probe_every = interval
+        if probe_every == "auto":
+            probe_every = 2 * interval
         if probe_every is not None and (isinstance(probe_every, bool)
                                         or not isinstance(probe_every, int) or probe_every < 1):
             raise ValueError(f"`probe_every` must be an int >= 1 or None, got {probe_every!r}.")
@@ -487,6 +488,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             [interval.layers[i] for i in order], [states[i] for i in order],
             policy.candidates, policy.rule, all_nonfinite=interval.all_nonfinite,
             probe_steps=interval.probe_steps, probe_loss_error=interval.probe_loss_error,
+            probe_loss_noise_ratio=interval.probe_loss_noise_ratio,
             validate_demotions=self._probe_fn is not None and self.probe_every is not None)
         new_states = list(states)
         for k, st in zip(order, decision.states):
@@ -525,10 +527,14 @@ class AdaptivePrecision(keras.callbacks.Callback):
             record["state"] = state.get_config()
             record["stats"] = {k: v for k, v in vars(stats).items()}
             if stats.probe_steps:
+                rule = policy.rule
                 record["probe"] = {
-                    "loss_error": interval.probe_loss_error, "grad_error": stats.grad_error,
-                    "cosine": stats.cosine,
-                    "sensitive": stats.grad_error > policy.rule.max_probe_grad_error}
+                    "loss_error": interval.probe_loss_error,
+                    "loss_noise_ratio": interval.probe_loss_noise_ratio,
+                    "grad_error": stats.grad_error, "cosine": stats.cosine,
+                    "grad_noise_ratio": stats.grad_noise_ratio,
+                    "sensitive": stats.grad_error > rule.max_probe_grad_error
+                    and stats.grad_noise_ratio > rule.max_probe_noise_ratio}
         for position, i in enumerate(order):
             policy.record(self._paths[i])["position"] = position
         self._state.write(new_states, policy.candidates, self._calls)
@@ -554,12 +560,13 @@ class AdaptivePrecision(keras.callbacks.Callback):
             _scalar("precision/loss_scale", interval.mean_scale)
             if interval.probe_steps:
                 _scalar("precision/probe_loss_error", interval.probe_loss_error)
+                _scalar("precision/probe_loss_noise_ratio", interval.probe_loss_noise_ratio)
             for path, stats in zip(self._paths, interval.layers):
                 _scalar(f"precision/{path}/bits", _BITS[self._policy.dtype_of(path)])
                 keys = ["in_amax", "out_amax", "in_range", "out_nonfinite", "out_flushed"]
                 if stats.gradients:
                     keys += ["nonfinite", "fp16_subnormal", "fp16_overflow", "bf16_subnormal"]
                 if stats.probe_steps:
-                    keys += ["grad_error", "cosine"]
+                    keys += ["grad_error", "cosine", "grad_noise_ratio"]
                 for key in keys:
                     _scalar(f"precision/{path}/{key}", getattr(stats, key))

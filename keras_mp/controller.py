@@ -46,11 +46,12 @@ the next interval re-checks):
    ``hysteresis`` times ``max_probe_loss_error`` / ``max_probe_grad_error``,
    and otherwise stay, with a strike. Without a trial, if the loss error
    exceeds ``max_probe_loss_error`` or a layer's gradient error exceeds
-   ``max_probe_grad_error``, the *output-most* narrow layer whose gradient
-   error exceeds ``hysteresis`` times that threshold (else the output-most
-   narrow layer with gradients) is promoted (``probe_error``): rounding errors
-   enter the backward pass at the output and reach every layer below it. The
-   next probe re-checks.
+   ``max_probe_grad_error`` (each counting only where it also exceeds
+   ``max_probe_noise_ratio`` times the batch's sampling noise), the
+   *output-most* narrow layer whose gradient error exceeds ``hysteresis`` times
+   those thresholds (else the output-most narrow layer with gradients) is
+   promoted (``probe_error``): rounding errors enter the backward pass at the
+   output and reach every layer below it. The next probe re-checks.
 
 Never oscillating: a switch starts a ``cooldown`` of intervals without
 demotion; a layer with ``max_strikes`` strikes (promotions and failed trials)
@@ -137,6 +138,11 @@ class DecisionRule:
             dtypes vs float32) above which rounding costs accuracy.
         max_probe_grad_error: a layer's gradient relative error in the probe
             above which it is where rounding hurts.
+        max_probe_noise_ratio: an error counts only if it also exceeds this
+            multiple of the batch's sampling noise (rounding that moves the
+            loss or a gradient less than drawing another batch would does
+            not change training; a relative error alone grows without bound
+            as the loss approaches zero).
         hysteresis: demotion requires the statistics to be below this
             fraction of the promotion thresholds, in (0, 1].
         patience: healthy intervals before a demotion, >= 1.
@@ -157,6 +163,7 @@ class DecisionRule:
     max_flushed: float = 0.5
     max_probe_loss_error: float = 0.1
     max_probe_grad_error: float = 0.5
+    max_probe_noise_ratio: float = 1.0
     hysteresis: float = 0.5
     patience: int = 8
     cooldown: int = 2
@@ -167,7 +174,7 @@ class DecisionRule:
         for name in ("max_nonfinite", "max_fp16_subnormal", "max_bf16_subnormal", "max_near_max",
                      "max_flushed", "hysteresis"):
             _fraction(name, getattr(self, name))
-        for name in ("max_probe_loss_error", "max_probe_grad_error"):
+        for name in ("max_probe_loss_error", "max_probe_grad_error", "max_probe_noise_ratio"):
             _positive(name, getattr(self, name))
         if self.hysteresis == 0:
             raise ValueError("`hysteresis` must be in (0, 1], got 0.")
@@ -208,6 +215,9 @@ class LayerStats:
         probe_steps: float32 probes in the interval that measured this layer.
         grad_error: mean relative error of its gradient in the probe.
         cosine: mean cosine between its gradient and the float32 one.
+        grad_noise_ratio: mean ratio of that error to the gradient's sampling
+            noise (how far half the batch moves it); inf: not measured, the
+            relative error decides alone.
     """
 
     steps: int = 0
@@ -229,6 +239,7 @@ class LayerStats:
     probe_steps: int = 0
     grad_error: float = 0.0
     cosine: float = 1.0
+    grad_noise_ratio: float = float("inf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,16 +334,23 @@ def _fits(dtype: str, s: LayerStats, rule: DecisionRule) -> bool:
     return True
 
 
-def _probe_bad(stats: Sequence[LayerStats], loss_error: float, rule: DecisionRule,
-               margin: float = 1.0) -> bool:
-    return loss_error > margin * rule.max_probe_loss_error or any(
-        s.probe_steps and s.grad_error > margin * rule.max_probe_grad_error for s in stats)
+def _grad_bad(s: LayerStats, rule: DecisionRule, margin: float = 1.0) -> bool:
+    return bool(s.probe_steps) and s.grad_error > margin * rule.max_probe_grad_error \
+        and s.grad_noise_ratio > margin * rule.max_probe_noise_ratio
+
+
+def _probe_bad(stats: Sequence[LayerStats], loss_error: float, loss_ratio: float,
+               rule: DecisionRule, margin: float = 1.0) -> bool:
+    loss_bad = loss_error > margin * rule.max_probe_loss_error \
+        and loss_ratio > margin * rule.max_probe_noise_ratio
+    return loss_bad or any(_grad_bad(s, rule, margin) for s in stats)
 
 
 def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
            candidates: Sequence[str], rule: DecisionRule | None = None, *,
            all_nonfinite: float = 0.0, probe_steps: float = 0,
-           probe_loss_error: float = 0.0, validate_demotions: bool = False) -> Decision:
+           probe_loss_error: float = 0.0, probe_loss_noise_ratio: float = float("inf"),
+           validate_demotions: bool = False) -> Decision:
     """Applies the rule (see the module docstring) to one interval.
 
     Args:
@@ -344,6 +362,8 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
             layer's gradients were non-finite.
         probe_steps: float32 probes run in the interval (0: none).
         probe_loss_error: their mean loss relative error.
+        probe_loss_noise_ratio: their mean ratio of the loss error to the
+            batch's sampling noise (inf: not measured).
         validate_demotions: demote only after a probe with the layer narrowed
             (a trial) stayed under the thresholds; False demotes on range
             evidence alone (for callers that run no probe).
@@ -390,6 +410,10 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
     if isinstance(probe_loss_error, bool) or not isinstance(probe_loss_error, (int, float)) \
             or not probe_loss_error >= 0:
         raise ValueError(f"`probe_loss_error` must be a number >= 0, got {probe_loss_error!r}.")
+    if isinstance(probe_loss_noise_ratio, bool) or not isinstance(
+            probe_loss_noise_ratio, (int, float)) or not probe_loss_noise_ratio >= 0:
+        raise ValueError("`probe_loss_noise_ratio` must be a number >= 0, got "
+                         f"{probe_loss_noise_ratio!r}.")
 
     def wider(dtype: str) -> str | None:
         i = order.index(dtype)
@@ -457,7 +481,8 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
     trials = [i for i, st in enumerate(new) if st.trial]
     validated: set[int] = set()
     if probe_steps > 0 and trials:
-        if troubled or _probe_bad(stats, probe_loss_error, rule, rule.hysteresis):
+        if troubled or _probe_bad(stats, probe_loss_error, probe_loss_noise_ratio, rule,
+                                  rule.hysteresis):
             for i in trials:  # rejected: a strike, and a cool-down
                 new[i] = dataclasses.replace(new[i], trial=0, healthy=0, cooldown=rule.cooldown,
                                              strikes=new[i].strikes + 1)
@@ -468,10 +493,10 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
                 new[i] = LayerState(target, healthy=0, cooldown=rule.cooldown,
                                     switches=new[i].switches + 1, strikes=new[i].strikes)
                 validated.add(i)
-    elif probe_steps > 0 and not switches and _probe_bad(stats, probe_loss_error, rule):
+    elif probe_steps > 0 and not switches and _probe_bad(stats, probe_loss_error,
+                                                         probe_loss_noise_ratio, rule):
         narrow = [i for i in measured if can_widen(i) and stats[i].probe_steps]
-        above = [i for i in narrow
-                 if stats[i].grad_error > rule.hysteresis * rule.max_probe_grad_error]
+        above = [i for i in narrow if _grad_bad(stats[i], rule, rule.hysteresis)]
         target_i = (above or narrow or [None])[-1]
         if target_i is not None:
             troubled.add(target_i)

@@ -7,8 +7,8 @@ cast arrives as inf) and its floating outputs. :func:`layer_statistics`
 reduces them to a few numbers, inside the traced step:
 
 ==================  ==========================================================
-``in_amax``         largest finite ``|input|`` (float32).
-``out_amax``        largest finite ``|output|``.
+``in_amax``         largest ``|input|`` (float32; 0 when one is non-finite).
+``out_amax``        largest ``|output|`` (0 when one is non-finite).
 ``in_range``        1 if an input was non-finite or beyond the largest finite
                     value of the layer's compute dtype (so it overflows, or
                     overflowed, when cast there), else 0.
@@ -97,14 +97,32 @@ def floating_tensors(structure) -> list[tf.Tensor]:
     return out
 
 
-def _amax_and_flags(tensors: Sequence[tf.Tensor]):
-    """(largest finite |x|, any non-finite, element count, flat |x|s) over ``tensors``."""
-    absolute = [tf.reshape(tf.abs(tf.cast(x, tf.float32)), [-1]) for x in tensors]
-    a = tf.concat(absolute, 0) if len(absolute) > 1 else absolute[0]
-    finite = tf.math.is_finite(a)
-    amax = tf.reduce_max(tf.where(finite, a, 0.0))
-    nonfinite = tf.logical_not(tf.reduce_all(finite))
-    return tf.maximum(amax, 0.0), nonfinite, finite, a
+#: Fractions over more elements than this are estimated on an even-stride
+#: sample of this many (see :data:`keras_mp.kernels.SAMPLE`).
+SAMPLE = 65536
+
+
+def _flat(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    flat = [tf.reshape(x, [-1]) for x in tensors]
+    if len({x.dtype for x in flat}) > 1:
+        flat = [tf.cast(x, tf.float32) for x in flat]
+    return tf.concat(flat, 0) if len(flat) > 1 else flat[0]
+
+
+def _amax_and_bad(x: tf.Tensor):
+    """(largest |x| as float32 (inf/nan if any is), any element non-finite):
+    two passes over every element."""
+    amax = tf.cast(tf.reduce_max(tf.abs(x)), tf.float32) if x.shape.num_elements() != 0 \
+        else tf.constant(0.0)
+    bad = tf.math.is_nan(tf.reduce_sum(tf.cast(x, tf.float32) * 0.0))
+    return amax, bad
+
+
+def _sample(x: tf.Tensor) -> tf.Tensor:
+    size = x.shape.num_elements()
+    if size is None or size <= SAMPLE:
+        return x
+    return x[::-(-size // SAMPLE)]
 
 
 def layer_statistics(inputs: Sequence[tf.Tensor], outputs: Sequence[tf.Tensor],
@@ -123,13 +141,20 @@ def layer_statistics(inputs: Sequence[tf.Tensor], outputs: Sequence[tf.Tensor],
     zero = tf.constant(0.0)
     in_amax = in_range = zero
     if inputs:
-        in_amax, in_bad, _, _ = _amax_and_flags(inputs)
-        in_range = tf.cast(tf.logical_or(in_bad, in_amax > big), tf.float32)
+        amax, bad = _amax_and_bad(_flat(inputs))
+        in_range = tf.cast(tf.logical_or(bad, amax > big), tf.float32)
+        in_amax = tf.where(bad, zero, amax)  # finite amax: not known here, 0
     out_amax = out_nonfinite = out_near = out_flushed = zero
     if outputs:
-        out_amax, out_bad, finite, a = _amax_and_flags(outputs)
-        out_nonfinite = tf.cast(out_bad, tf.float32)
-        out_near = tf.cast(out_amax >= big / NEAR_MAX, tf.float32)
-        flushed = tf.logical_and(tf.logical_and(a > 0.0, a < tiny), finite)
-        out_flushed = tf.reduce_mean(tf.cast(flushed, tf.float32))
+        flat = _flat(outputs)
+        amax, bad = _amax_and_bad(flat)
+        out_nonfinite = tf.cast(bad, tf.float32)
+        out_amax = tf.where(bad, zero, amax)
+        out_near = tf.cast(tf.logical_and(tf.logical_not(bad), amax >= big / NEAR_MAX),
+                           tf.float32)
+        if dtype in ("float32", "float64"):
+            out_flushed = zero  # no narrow dtype: nothing to lose to subnormals here
+        else:
+            a = tf.abs(tf.cast(_sample(flat), tf.float32))
+            out_flushed = tf.reduce_mean(tf.cast((a > 0.0) & (a < tiny), tf.float32))
     return tf.stack([in_amax, out_amax, in_range, out_nonfinite, out_near, out_flushed])

@@ -100,19 +100,20 @@ def _dense(grads):
     return dense_idx, [tf.convert_to_tensor(grads[i]) for i in dense_idx]
 
 
-def _tensor_stats(g32, u32, scale):
-    a = tf.abs(g32)
-    ua = tf.abs(u32)
-    finite = tf.math.is_finite(g32)
-    n = tf.cast(tf.size(g32), tf.float32)
+#: Fractions of a tensor larger than this are estimated on this many of its
+#: elements, taken at an even stride (standard error below 0.002, against
+#: thresholds of 0.1-0.5); the amax and whether any element is non-finite
+#: always see every element. The statistics cost a few passes over every
+#: gradient; on a fast 16-bit step that is a large part of the step.
+SAMPLE = 65536
 
+
+def _fractions(a, finite, n, scale):
     def frac(mask):
         return tf.reduce_sum(tf.cast(mask, tf.float32)) / tf.maximum(n, 1.0)
 
     nonzero = a > 0.0
     return (
-        tf.reduce_max(tf.where(finite, ua, 0.0)) if g32.shape.num_elements() != 0
-        else tf.constant(0.0),
         frac(tf.logical_not(finite)),
         frac(nonzero & (a < _FP16_TINY)),
         frac((a >= _FP16_TINY) & (a < _FP16_MIN_NORMAL)),
@@ -123,6 +124,29 @@ def _tensor_stats(g32, u32, scale):
         frac(nonzero & (a < _BF16_MIN_NORMAL * scale)),
         frac(tf.equal(a, 0.0)),
     )
+
+
+def _tensor_stats(g32, u32, scale):
+    size = g32.shape.num_elements()
+    if size == 0:
+        return (tf.constant(0.0),) + _fractions(tf.zeros([0]), tf.zeros([0], tf.bool),
+                                                tf.constant(0.0), scale)
+    if size is None or size <= SAMPLE:
+        a = tf.abs(g32)
+        finite = tf.math.is_finite(g32)
+        n = tf.cast(tf.size(g32), tf.float32)
+        amax = tf.reduce_max(tf.where(finite, tf.abs(u32), 0.0))
+        return (amax,) + _fractions(a, finite, n, scale)
+    stride = -(-size // SAMPLE)
+    gs = tf.reshape(g32, [-1])[::stride]
+    a, finite = tf.abs(gs), tf.math.is_finite(gs)
+    fractions = _fractions(a, finite, tf.cast(tf.size(gs), tf.float32), scale)
+    # Every element: inf * 0 and nan * 0 are nan, so the sum is nan iff one is.
+    any_bad = tf.math.is_nan(tf.reduce_sum(g32 * 0.0))
+    sampled_amax = tf.reduce_max(tf.where(finite, a, 0.0)) / scale
+    amax = tf.where(any_bad, sampled_amax, tf.reduce_max(tf.abs(u32)))
+    nonfinite = tf.maximum(fractions[0], tf.cast(any_bad, tf.float32) / float(size))
+    return (amax, nonfinite) + fractions[1:]
 
 
 def _fused(grads, scale, *, unscale: bool, stats: bool):
@@ -151,12 +175,17 @@ def _unscale_check_kernel(grads, scale):
     return _fused(grads, scale, unscale=True, stats=False)
 
 
-@xla.jit("multi_tensor")
+# The statistics are many elementwise ops and reductions per tensor: XLA
+# fuses them into a few loops, and wins on CPU too (unscale+statistics of a
+# 4x512 MLP's gradients on the 2-core AMX Xeon: 4.9 ms vs 6.1 ms as a TF graph,
+# median of 7 interleaved rounds of process CPU time), unlike the bare
+# unscale-and-check, which XLA:CPU runs slower than TF's parallel per-tensor ops.
+@xla.jit("elementwise")
 def _stats_kernel(grads, scale):
     return _fused(grads, scale, unscale=False, stats=True)[1]
 
 
-@xla.jit("multi_tensor")
+@xla.jit("elementwise")
 def _unscale_stats_kernel(grads, scale):
     return _fused(grads, scale, unscale=True, stats=True)
 

@@ -4,7 +4,8 @@ Range statistics cannot see a narrow dtype's *rounding*: a regression whose
 targets sit near 1000 trains in bfloat16 with finite, normal gradients and
 still ends far worse than in float32 (bfloat16's spacing at 1000 is 8). The
 probe measures it directly. On a probe step, before the real update, the same
-batch runs twice, each inside a ``StatelessScope`` so nothing is applied (no
+batch runs in three passes, each inside a ``StatelessScope`` so nothing is
+applied (no
 weight, no optimizer slot, no BatchNormalization statistic, no metric, and the
 same dropout masks in both runs):
 
@@ -13,13 +14,22 @@ same dropout masks in both runs):
    optimizer's loss scale;
 2. with every controlled layer in float32: the reference.
 
+3. the first half of the batch in float32: how much the loss and the
+   gradients move with the batch's own sampling.
+
 It returns the loss's relative error and, per layer with trainable
 variables, the relative error and the cosine of its gradient (all its
-variables together) against the reference:
+variables together) against the reference, and how those errors compare to
+the batch's sampling noise:
 
 * ``loss_error = |L - L32| / |L32|``
 * ``grad_error = ||g - g32|| / ||g32||``
 * ``cosine = <g, g32> / (||g|| ||g32||)``
+* ``loss_noise_ratio = |L - L32| / |L32_half - L32|`` and
+  ``grad_noise_ratio = ||g - g32|| / ||g32_half - g32||``: above 1, rounding
+  moves the loss (the gradient) more than drawing another batch would. A
+  relative error alone grows without bound as a fit approaches zero loss; an
+  error below the sampling noise does not change what SGD does.
 
 A probe whose configured gradients are not finite (a loss scale too large
 for this step) measures nothing (``valid`` is 0): overflow is the loss
@@ -54,6 +64,7 @@ from keras_mp.stats import variable_path
 __all__ = ["ProbeResult", "probe"]
 
 _TINY = 1e-30
+_RATIO_CAP = 1e6
 
 
 class ProbeResult(NamedTuple):
@@ -66,6 +77,9 @@ class ProbeResult(NamedTuple):
             trainable variables; see ``measured``).
         cosine: ``[len(layers)]``, per layer (1 where not measured).
         measured: ``[len(layers)]``, 1.0 for layers with gradients.
+        loss_noise_ratio: the loss error over the batch's sampling noise.
+        grad_noise_ratio: ``[len(layers)]``, each gradient's error over its
+            sampling noise.
     """
 
     valid: tf.Tensor
@@ -73,6 +87,8 @@ class ProbeResult(NamedTuple):
     grad_error: tf.Tensor
     cosine: tf.Tensor
     measured: tf.Tensor
+    loss_noise_ratio: tf.Tensor
+    grad_noise_ratio: tf.Tensor
 
 
 def _loss_and_grads(model, x, y, sample_weight, scale, tvars):
@@ -131,6 +147,8 @@ def probe(model: keras.Model, data, policy: policies.AdaptivePolicy,
     paths = [layer.path for layer in layers]
     with policy.overriding({p: "float32" for p in paths}):
         loss32, grads32 = _loss_and_grads(model, x, y, sample_weight, tf.constant(1.0), tvars)
+        half = _first_half((x, y, sample_weight))
+        loss_h, grads_h = _loss_and_grads(model, *half, tf.constant(1.0), tvars)
 
     n = len(layers)
     owner: dict[str, int] = {}
@@ -139,24 +157,42 @@ def probe(model: keras.Model, data, policy: policies.AdaptivePolicy,
             owner[variable_path(v)] = i
     seg = tf.constant([owner.get(variable_path(v), n) for v in tvars] or [n], tf.int32)
 
-    def per_var(fn):
+    def per_var(fn, other=grads):
         if not tvars:
             return tf.zeros([1])
-        return tf.stack([fn(g, r) for g, r in zip(grads, grads32)])
+        return tf.stack([fn(g, r) for g, r in zip(other, grads32)])
 
     diff2 = per_var(lambda g, r: tf.reduce_sum(tf.square(g - r)))
     ref2 = per_var(lambda g, r: tf.reduce_sum(tf.square(r)))
     own2 = per_var(lambda g, r: tf.reduce_sum(tf.square(g)))
     dot = per_var(lambda g, r: tf.reduce_sum(g * r))
+    noise2 = per_var(lambda g, r: tf.reduce_sum(tf.square(g - r)), grads_h)
     finite = tf.reduce_all(tf.math.is_finite(own2)) & tf.math.is_finite(loss)
-    sums = [tf.math.unsorted_segment_sum(t, seg, n + 1)[:n] for t in (diff2, ref2, own2, dot)]
-    diff2, ref2, own2, dot = sums
+    sums = [tf.math.unsorted_segment_sum(t, seg, n + 1)[:n]
+            for t in (diff2, ref2, own2, dot, noise2)]
+    diff2, ref2, own2, dot, noise2 = sums
     measured = tf.constant([1.0 if any(v.trainable for v in layer._trainable_variables)
                             else 0.0 for layer in layers])
     grad_error = tf.sqrt(diff2) / tf.maximum(tf.sqrt(ref2), _TINY) * measured
     cosine = tf.where(measured > 0, dot / tf.maximum(tf.sqrt(own2 * ref2), _TINY), 1.0)
     loss_error = tf.abs(loss - loss32) / tf.maximum(tf.abs(loss32), _TINY)
+    # Capped: a batch whose halves agree exactly has no measurable noise.
+    loss_ratio = tf.minimum(tf.abs(loss - loss32) / tf.maximum(tf.abs(loss_h - loss32), _TINY),
+                            _RATIO_CAP)
+    grad_ratio = tf.minimum(tf.sqrt(diff2) / tf.maximum(tf.sqrt(noise2), _TINY),
+                            _RATIO_CAP) * measured
     valid = tf.cast(finite, tf.float32)
     clean = lambda t: tf.where(finite, t, tf.zeros_like(t))  # noqa: E731
     return ProbeResult(valid, clean(loss_error), clean(grad_error),
-                       tf.where(finite, cosine, tf.ones_like(cosine)), measured)
+                       tf.where(finite, cosine, tf.ones_like(cosine)), measured,
+                       clean(loss_ratio), clean(grad_ratio))
+
+
+def _first_half(data):
+    """The first half of a batch (at least one row), every tensor sliced alike."""
+    def half(t):
+        if t is None:
+            return None
+        n = tf.shape(t)[0]
+        return t[:tf.maximum(n // 2, 1)]
+    return tuple(keras.tree.map_structure(half, d) if d is not None else None for d in data)

@@ -88,6 +88,7 @@ class IntervalStats:
         layers: one :class:`keras_mp.controller.LayerStats` per layer.
         probe_steps: valid probes in the interval.
         probe_loss_error: their mean loss relative error.
+        probe_loss_noise_ratio: their mean loss error over sampling noise.
     """
 
     steps: int
@@ -97,6 +98,7 @@ class IntervalStats:
     layers: tuple[LayerStats, ...]
     probe_steps: int = 0
     probe_loss_error: float = 0.0
+    probe_loss_noise_ratio: float = 0.0
 
 
 def agree(parts: Sequence[tuple[tf.Tensor, str]]) -> list[tf.Tensor]:
@@ -130,6 +132,16 @@ def agree(parts: Sequence[tuple[tf.Tensor, str]]) -> list[tf.Tensor]:
         red = tf.reduce_mean(cols, 0) if how == "mean" else tf.reduce_max(cols, 0)
         out.append(tf.reshape(red, tf.shape(t)))
     return out
+
+
+def _probe_rows(probe) -> tuple[tf.Tensor, tf.Tensor]:
+    """A probe's results as sums to accumulate: ``[valid, loss error, loss
+    noise ratio]`` and ``[grad error, cosine, grad noise ratio] x layers``,
+    invalid probes contributing nothing."""
+    v = probe.valid
+    counts = tf.stack([v, probe.loss_error * v, probe.loss_noise_ratio * v])
+    per_layer = tf.stack([probe.grad_error * v, probe.cosine * v, probe.grad_noise_ratio * v])
+    return counts, per_layer
 
 
 class LayerStatistics(keras.layers.Layer):
@@ -193,11 +205,11 @@ class LayerStatistics(keras.layers.Layer):
         # then the steps in which each layer was observed
         self.forward_sums = self.add_weight(shape=(len(forward.FIELDS) + 1, n),
                                             initializer="zeros", name="forward_sums", **kw)
-        # probe: gradient error and cosine sums per layer; valid probes and
-        # loss error sum
-        self.probe_sums = self.add_weight(shape=(2, n), initializer="zeros", name="probe_sums",
+        # probe: gradient error, cosine and noise-ratio sums per layer; valid
+        # probes, loss error sum and loss noise-ratio sum
+        self.probe_sums = self.add_weight(shape=(3, n), initializer="zeros", name="probe_sums",
                                           **kw)
-        self.probe_counters = self.add_weight(shape=(2,), initializer="zeros",
+        self.probe_counters = self.add_weight(shape=(3,), initializer="zeros",
                                               name="probe_counters", **kw)
         self.built = True
 
@@ -246,16 +258,14 @@ class LayerStatistics(keras.layers.Layer):
         fwd = tf.transpose(fwd)  # [fields, n]
         k_max = len(forward.MAX_FIELDS)
         if probe is None:
-            p_valid, p_loss = tf.zeros([]), tf.zeros([])
-            p_err, p_cos = tf.zeros([n]), tf.zeros([n])
+            p_counts, p_layers = tf.zeros([3]), tf.zeros([3, n])
         else:
-            p_valid, p_loss = probe.valid, probe.loss_error * probe.valid
-            p_err, p_cos = probe.grad_error * probe.valid, probe.cosine * probe.valid
-        (fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, p_valid, p_loss, p_err,
-         p_cos) = agree([
+            p_counts, p_layers = _probe_rows(probe)
+        (fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, p_counts,
+         p_layers) = agree([
             (fr, "mean"), (bad, "max"), (amax, "max"), (everywhere, "max"), (scale, "mean"),
-            (fwd[:k_max], "max"), (fwd[k_max:], "max"), (observed, "max"), (p_valid, "mean"),
-            (p_loss, "mean"), (p_err, "mean"), (p_cos, "mean")])
+            (fwd[:k_max], "max"), (fwd[k_max:], "max"), (observed, "max"), (p_counts, "mean"),
+            (p_layers, "mean")])
         self.fraction_sums.assign_add(fr)
         self.nonfinite_steps.assign_add(bad)
         self.amax.assign(tf.maximum(self.amax.value, amax))
@@ -264,17 +274,15 @@ class LayerStatistics(keras.layers.Layer):
         self.forward_sums.assign(tf.concat([
             tf.maximum(old[:k_max], fwd_max), old[k_max:-1] + fwd_sum, old[-1:] + observed[None]],
             0))
-        self.probe_sums.assign_add(tf.stack([p_err, p_cos]))
-        self.probe_counters.assign_add(tf.stack([p_valid, p_loss]))
+        self.probe_sums.assign_add(p_layers)
+        self.probe_counters.assign_add(p_counts)
 
     def accumulate_probe(self, result) -> None:
         """Adds one probe's results (a :class:`keras_mp.probe.ProbeResult`)
         outside a train step (custom loops); agrees across replicas."""
-        valid, loss, err, cos = agree([
-            (result.valid, "mean"), (result.loss_error * result.valid, "mean"),
-            (result.grad_error * result.valid, "mean"), (result.cosine * result.valid, "mean")])
-        self.probe_sums.assign_add(tf.stack([err, cos]))
-        self.probe_counters.assign_add(tf.stack([valid, loss]))
+        counts, per_layer = agree([(t, "mean") for t in _probe_rows(result)])
+        self.probe_sums.assign_add(per_layer)
+        self.probe_counters.assign_add(counts)
 
     def read(self) -> IntervalStats:
         """The statistics accumulated since the last :meth:`reset` (reads the
@@ -299,11 +307,13 @@ class LayerStatistics(keras.layers.Layer):
                 forward_steps=seen, **fwd,
                 probe_steps=probes if grads else 0,
                 grad_error=float(ps[0, i]) / dp if grads else 0.0,
-                cosine=float(ps[1, i]) / dp if grads and probes else 1.0))
+                cosine=float(ps[1, i]) / dp if grads and probes else 1.0,
+                grad_noise_ratio=float(ps[2, i]) / dp if grads else 0.0))
         return IntervalStats(steps=steps, all_nonfinite=float(counters[1]) / d,
                              mean_scale=float(counters[2]) / d, paths=self.paths,
                              layers=tuple(layers), probe_steps=probes,
-                             probe_loss_error=float(pc[1]) / dp)
+                             probe_loss_error=float(pc[1]) / dp,
+                             probe_loss_noise_ratio=float(pc[2]) / dp)
 
     def reset(self) -> None:
         """Starts a new interval."""
