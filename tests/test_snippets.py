@@ -13,12 +13,17 @@ The rules, also stated in docs/index.md ("Code on these pages"):
   several machines) is preceded, on the line before its fence, by
   ``<!-- snippet: skip REASON -->``; the reason is required.
 
-Tutorial notebooks are run by tests/test_tutorials.py.
+The ``>>>`` examples of keras_mp's docstrings, which the API reference pages
+render, run here too (doctest, one module at a time). Tutorial notebooks are
+run by tests/test_tutorials.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import doctest
+import importlib
+import io
 import os
 import re
 from pathlib import Path
@@ -125,3 +130,25 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
         keras.config.set_dtype_policy("float32")
         keras.utils.clear_session()
         os.environ.pop("TF_CONFIG", None)
+
+
+# -- docstring examples (the API reference) ---------------------------------------
+
+def _modules() -> list[str]:
+    return sorted(f"keras_mp.{p.stem}" for p in (ROOT / "keras_mp").glob("*.py")
+                  if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_docstring_examples_run(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(name)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    out = io.StringIO()
+    try:
+        for test in doctest.DocTestFinder().find(module, name):
+            runner.run(test, out=out.write)
+    finally:
+        keras.config.set_dtype_policy("float32")
+        keras.utils.clear_session()
+    assert runner.failures == 0, out.getvalue()
