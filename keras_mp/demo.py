@@ -26,6 +26,7 @@ speed).
 from __future__ import annotations
 
 import os
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -348,18 +349,21 @@ def format_result(r: DemoResult) -> str:
     lines += ["", "Switches made by AdaptivePrecision (interval 5 steps):"]
     lines += [f"  step {e['step']:>4}: {e['layer']:<13} {e['old']} -> {e['new']}  "
               f"({e['reason']})" for e in adaptive.events] or ["  none"]
-    for reason in dict.fromkeys(e["reason"] for e in adaptive.events):
-        if reason in _REASONS:
-            lines.append(f"  {reason}: {_REASONS[reason]}")
     lines.append("  final: " + ", ".join(f"{n} {d}" for n, d in adaptive.final_dtypes.items()))
+    reasons = [r for r in dict.fromkeys(e["reason"] for e in adaptive.events) if r in _REASONS]
+    if reasons:
+        lines.append("Reasons:")
+        lines += [textwrap.fill(f"{reason}: {_REASONS[reason]}", 92, initial_indent="  ",
+                                subsequent_indent="    ") for reason in reasons]
     static = r.runs["mixed_float16"]
     if r.rescued:
-        lines.append(f"Static mixed_float16 skipped {static.skipped_steps} of {static.steps} "
-                     "steps (its inputs are beyond float16's range) and ends near chance; "
-                     "adaptive precision moved the layer that overflows to float32, kept the "
-                     "others in float16 and reached float32's accuracy.")
+        summary = (f"Static mixed_float16 skipped {static.skipped_steps} of {static.steps} "
+                   "steps (its inputs are beyond float16's range) and ends near chance; "
+                   "adaptive precision moved the layer that overflows to float32, kept the "
+                   "others in float16 and reached float32's accuracy.")
     else:
-        lines.append("No rescue in this run: see the accuracies above.")
+        summary = "No rescue in this run: see the accuracies above."
+    lines += ["", textwrap.fill(summary, 92)]
     lines += ["", f"keras-mp demo, part 2: what this {r.device_type} runs fast",
               "Measured matmul throughput relative to float32:"]
     for dtype, ratio in r.speedups.items():
@@ -372,8 +376,8 @@ def format_result(r: DemoResult) -> str:
               "  this model under 'adaptive' here: "
               + ", ".join(f"{n} {d}" for n, d in r.adaptive_dtypes.items())]
     if "float16" not in r.fast:
-        lines.append("  (part 1's float16 is emulated on this device: it shows the mechanism, "
-                     "not speed; `keras-mp bench` times speed)")
+        lines.append("  (part 1's float16 is emulated on this device: it shows the mechanism,\n"
+                     "  not speed; `keras-mp bench` times speed)")
     if r.plot:
         lines += ["", f"Plot written to {r.plot}"]
     return "\n".join(lines)
