@@ -125,8 +125,11 @@ def _parser() -> argparse.ArgumentParser:
     verbose = "show TensorFlow's native start-up log (hidden by default)"
     parser.add_argument("--verbose", action="store_true", help=verbose)
     for command in sub.choices.values():
-        command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
-                             help=verbose)
+        try:
+            command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                                 help=verbose)
+        except argparse.ArgumentError:
+            pass  # the command has its own --verbose
     return parser
 
 
