@@ -8,7 +8,9 @@ The rules, also stated in docs/index.md ("Code on these pages"):
   Each file runs in a fresh temporary working folder (``HOME`` and the TFDS
   data folder point there too), and the Keras dtype policy is reset after it.
 * Blocks tagged ``bash``, ``console``, ``text`` or nothing are shell commands,
-  diagrams or output: they are not run.
+  diagrams or output: they are not run. The ``keras-mp`` commands of ``bash``
+  blocks are parsed by the command line's own parser, so a renamed command or
+  option fails here.
 * A Python block that must not run here (it needs a GPU, a download or
   several machines) is preceded, on the line before its fence, by
   ``<!-- snippet: skip REASON -->``; the reason is required.
@@ -26,6 +28,7 @@ import importlib
 import io
 import os
 import re
+import shlex
 from pathlib import Path
 
 import keras
@@ -107,6 +110,41 @@ def test_collector_finds_blocks_languages_and_skip_markers():
 def test_pages_have_python_blocks_to_run():
     runnable = [b for page in _pages() for b in _python_blocks(page) if b.skip is None]
     assert len(runnable) >= 15, [f"{b.path}:{b.line}" for b in runnable]
+
+
+def _keras_mp_commands(code: str) -> list[list[str]]:
+    commands = []
+    for line in code.splitlines():
+        words = shlex.split(line, comments=True)
+        part: list[str] = []
+        for word in [*words, "&&"]:
+            if word in ("&&", "||", ";", "|"):
+                if part and part[0] == "keras-mp":
+                    commands.append(part[1:])
+                part = []
+            else:
+                part.append(word)
+    return commands
+
+
+def test_keras_mp_commands_in_shell_blocks_parse():
+    from keras_mp import cli
+
+    assert _keras_mp_commands("pip install . && keras-mp demo  # c\nkeras-mp info") == [
+        ["demo"], ["info"]]
+    seen = 0
+    for page in _pages():
+        for block in blocks(page.read_text(), str(page.relative_to(ROOT))):
+            if block.language not in ("bash", "sh", "shell"):
+                continue
+            for argv in _keras_mp_commands(block.code):
+                try:
+                    cli._parser().parse_args(argv)
+                except SystemExit:
+                    pytest.fail(f"{block.path}:{block.line}: `keras-mp {' '.join(argv)}` "
+                                "does not parse")
+                seen += 1
+    assert seen >= 3
 
 
 # -- running the pages ----------------------------------------------------------
