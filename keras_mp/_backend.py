@@ -5,20 +5,45 @@ keras-mp builds on TensorFlow-only machinery (tf.distribute, XLA via
 degraded mode.
 """
 
+import contextlib
 import os
 import sys
 
 # The `keras-mp` command prints its own report; TensorFlow's C++ start-up log
-# (CUDA probing, CPU-feature notes) would bury it. Library users keep theirs.
-if os.path.basename(sys.argv[0] if sys.argv else "") == "keras-mp":
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# (CUDA probing, oneDNN notes) would bury it. Library users keep theirs, and
+# `keras-mp --verbose` shows it.
+_QUIET = (os.path.basename(sys.argv[0] if sys.argv else "") == "keras-mp"
+          and "--verbose" not in sys.argv[1:])
+if _QUIET:
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"  # errors at run time too (e.g. cuInit)
+
+
+@contextlib.contextmanager
+def _native_stderr_hidden(active: bool):
+    """Points file descriptor 2 at /dev/null while active. TensorFlow 2.21
+    logs its start-up lines from C++ before absl's logging is initialized,
+    which TF_CPP_MIN_LOG_LEVEL does not silence."""
+    if not active:
+        yield
+        return
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
 
 # Only choose for the user when nothing has chosen yet: once keras is imported
 # its backend is fixed and changing the variable would only mislead.
 if "keras" not in sys.modules and not os.environ.get("KERAS_BACKEND"):
     os.environ["KERAS_BACKEND"] = "tensorflow"
 
-import keras  # noqa: E402
+with _native_stderr_hidden(_QUIET):
+    import keras  # noqa: E402  (imports TensorFlow)
 
 if keras.backend.backend() != "tensorflow":
     raise ImportError(

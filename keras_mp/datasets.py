@@ -85,6 +85,12 @@ def default_data_dir() -> str | None:
     return os.environ.get("KERAS_MP_DATA_DIR") or None
 
 
+def _data_dir(data_dir: str | os.PathLike | None) -> str | None:
+    # "~/tensorflow_datasets" means the home folder, not a folder named "~".
+    data_dir = os.fspath(data_dir) if data_dir is not None else default_data_dir()
+    return os.path.expanduser(data_dir) if data_dir is not None else None
+
+
 def default_name() -> str:
     """The data set :func:`load` uses when ``name`` is None:
     ``$KERAS_MP_DATASET`` if set (e.g. ``mnist`` on a machine with internet),
@@ -176,7 +182,7 @@ def prepare_digits(data_dir: str | os.PathLike | None = None, *, verbose: bool =
 
     if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
         raise TypeError(f"`data_dir` must be a path or None, got {data_dir!r}.")
-    data_dir = os.fspath(data_dir) if data_dir is not None else default_data_dir()
+    data_dir = _data_dir(data_dir)
     if not isinstance(verbose, bool):
         raise TypeError(f"`verbose` must be True or False, got {verbose!r}.")
     builder = _builder_class()(data_dir=data_dir)
@@ -285,7 +291,7 @@ def load(name: str | None = None, *, data_dir: str | os.PathLike | None = None,
     import tensorflow as tf
     import tensorflow_datasets as tfds
 
-    data_dir = os.fspath(data_dir) if data_dir is not None else default_data_dir()
+    data_dir = _data_dir(data_dir)
     if name.split(":")[0].split("/")[0] == DIGITS_NAME:
         prepare_digits(data_dir)
     try:

@@ -43,8 +43,9 @@ NO_ARGUMENTS = {
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
     "controller.Switch", "controller.Decision", "controller.LayerStats",
-    "datasets.Loaded", "demo.DemoResult", "device.DeviceProfile", "kernels.GradientStatistics",
-    "report.PrecisionReport", "stats.IntervalStats", "xla.Kind", "probe.ProbeResult",
+    "datasets.Loaded", "demo.DemoResult", "demo.DemoRun", "device.DeviceProfile",
+    "kernels.GradientStatistics", "probe.ProbeResult",
+    "report.PrecisionReport", "stats.IntervalStats", "xla.Kind",
 }
 
 SGD = keras.optimizers.SGD
@@ -140,8 +141,10 @@ CASES = [
     ("datasets.load", lambda: datasets.load(batch_size=0), ValueError, "`batch_size`"),
     ("datasets.prepare_digits", lambda: datasets.prepare_digits(3), TypeError, "`data_dir`"),
     # demo
-    ("demo.run_demo", lambda: importlib.import_module("keras_mp.demo").run_demo(policy="fp8"),
-     ValueError, "`policy`"),
+    ("demo.run_demo", lambda: importlib.import_module("keras_mp.demo").run_demo(verbose=2),
+     ValueError, "`verbose`"),
+    ("demo.run_demo", lambda: importlib.import_module("keras_mp.demo").run_demo(batch_size=0),
+     ValueError, "`batch_size`"),
     ("demo.run_demo", lambda: importlib.import_module("keras_mp.demo").run_demo(epochs=0),
      ValueError, "`epochs`"),
     # device

@@ -79,6 +79,15 @@ def test_load_uses_environment_defaults(data_dir, monkeypatch):
     assert str(data_dir) in str(d.info.data_dir)
 
 
+def test_data_dir_with_tilde_means_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    d = datasets.load(data_dir="~/tfds", batch_size=32, max_train=32, max_test=32)
+    assert d.num_train == 32
+    assert (tmp_path / "home" / "tfds" / datasets.DIGITS_NAME).is_dir()
+    assert not (tmp_path / "~").exists()
+
+
 def test_unprepared_data_set_does_not_download(tmp_path):
     # mnist is not prepared in an empty directory; with download=False TFDS
     # must not fetch it, and the error says what to do.
