@@ -7,13 +7,14 @@ for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
 from keras_mp import (callbacks, controller, device, distribute, kernels, layers, loss_scale,
-                      ops, policies, report, stats, xla)
+                      ops, policies, quantization, report, stats, xla)
 from keras_mp.distribute import patch_multi_worker
 from keras_mp.fuse import fuse
 from keras_mp.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
                                  PiecewiseInterval)
 from keras_mp.optimizer import LossScaleOptimizer
 from keras_mp.policies import AdaptivePolicy, global_policy, policy_scope, set_global_policy
+from keras_mp.quantization import quantize
 from keras_mp.report import precision_report
 from keras_mp.xla import set_xla, uses_xla
 
@@ -23,6 +24,9 @@ __version__ = "0.1.0"
 # MultiWorkerMirroredStrategy (see keras_mp.distribute). The fix acts only in
 # multi-worker mode and only where the installed Keras has the fault.
 patch_multi_worker()
+# Keras's model.quantize reads a DTypePolicyMap's name as a layer's policy
+# name; the fix hands each layer its own entry (see keras_mp.quantization).
+quantization.patch_quantize()
 
 __all__ = [
     "AdaptivePolicy",
@@ -45,6 +49,8 @@ __all__ = [
     "policies",
     "policy_scope",
     "precision_report",
+    "quantization",
+    "quantize",
     "report",
     "set_global_policy",
     "set_xla",
