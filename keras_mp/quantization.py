@@ -124,13 +124,20 @@ def quantizable(layer: keras.layers.Layer, mode: str = "int8") -> bool:
     quantized Dense, EinsumDense, Embedding or ReversibleEmbedding; int8 never
     on a float16-computing layer, as in Keras)."""
     _check_mode(mode)
-    if not isinstance(layer, tuple(_quantizable_classes())) or not layer.built:
-        return False
-    if layer.quantization_mode is not None or getattr(layer, "_is_quantized", False):
-        return False
-    if mode == "int8" and layer.compute_dtype == "float16":
-        return False
-    return True
+    return _supported(layer) and not (mode == "int8" and layer.compute_dtype == "float16")
+
+
+def _supported(layer: keras.layers.Layer) -> bool:
+    return (isinstance(layer, tuple(_quantizable_classes())) and layer.built
+            and layer.quantization_mode is None and not getattr(layer, "_is_quantized", False))
+
+
+def _compute_in_float32(layer: keras.layers.Layer) -> None:
+    held = layer.__dict__.get("_dtype_policy")
+    if isinstance(held, AdaptivePolicy):
+        held.set_policy(layer.path, "float32")
+    else:
+        layer.dtype_policy = "float32"
 
 
 def _check_mode(mode: Any) -> None:
@@ -198,7 +205,7 @@ def plan(model: keras.Model, mode: str = "int8", *,
     policy = policy_of(model)
     out: dict[str, str] = {}
     for layer in model._flatten_layers(include_self=False):
-        if not quantizable(layer, mode) or layer.path in out:
+        if not _supported(layer) or layer.path in out:
             continue
         record: dict[str, Any] = {}
         if policy is not None and isinstance(layer._dtype_policy, AdaptivePolicy):
@@ -233,6 +240,10 @@ def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = ()
         config: a ``keras.quantizers.QuantizationConfig`` for ``mode``, passed
             on to Keras.
 
+    Keras refuses int8 on a layer that computes in float16 (an
+    ``adaptive_float16`` layer that was never promoted): in int8 mode such a
+    layer is quantized from float32 (``int8_from_float32``).
+
     Returns:
         The plan that was applied (see :func:`plan`).
 
@@ -244,6 +255,11 @@ def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = ()
         raise ValueError(f"`mode`={mode!r} needs `config` (a keras.quantizers config with "
                          "calibration data); data-free modes: " + ", ".join(_DATA_FREE) + ".")
     chosen = {path for path, what in decisions.items() if what == "quantize"}
+    if mode == "int8":
+        # Keras refuses int8 on a float16-computing layer: quantize those from float32.
+        for layer in model._flatten_layers(include_self=False):
+            if layer.path in chosen and layer.compute_dtype == "float16":
+                _compute_in_float32(layer)
     if chosen:
         model.quantize(mode, config=config,
                        filters=lambda layer: layer.path in chosen)
