@@ -1,30 +1,33 @@
 """The guided-quantization demonstration: adaptive training finds the layer
 that int8 would break, and :func:`keras_mp.quantize` keeps it in float.
 
-The problem: 32 standard-normal features decide the label (a linear rule);
-feature 0 is a sentinel that is 0 in most rows and 70000 in a quarter of them
-(a "missing" marker, or a raw counter, as in unprepared tabular data), and
-carries no information. The model is a plain MLP trained under
+The problem: 31 standard-normal features decide the label (a linear rule);
+feature 0 is a constant 70000 that carries no information (an unscaled
+constant column, as in unprepared tabular data). The model is an MLP whose
+first ``Dense`` is followed by a capped ReLU and ``BatchNormalization`` (both
+float32, as normalization usually is under mixed precision), trained under
 ``adaptive_float16``:
 
-* in float16, 70000 is beyond float16's 65504: the first ``Dense`` overflows
-  on every batch, and :class:`keras_mp.callbacks.AdaptivePrecision` promotes
-  it to float32 (its history records the switch). The other layers see
-  ReLU activations of moderate size and stay in float16;
+* in float16, 70000 is beyond float16's 65504: the first ``Dense``
+  overflows, its gradients are not finite, and
+  :class:`keras_mp.callbacks.AdaptivePrecision` promotes it to float32 (its
+  history records the switch). In float32 its response to the constant is
+  a constant per unit, which ``BatchNormalization`` removes; the later
+  layers see normalized activations and stay in float16;
 * Keras's int8 ``Dense`` quantizes each input row by its largest magnitude:
-  in a sentinel row the step is 70000/127, so every informative feature
-  rounds to 0 and that row's prediction is lost. The other layers' inputs
+  with 70000 in every row the step is 70000/127 = 551, every informative
+  feature rounds to 0, and the prediction is lost. The later layers' inputs
   have no such outliers and quantize well.
 
-So quantizing everything (``model.quantize("int8")``) loses the sentinel
-rows, while the guided version (``keras_mp.quantize(model, "int8")``) keeps
-the promoted first layer in float and quantizes the rest.
+So quantizing everything (``model.quantize("int8")``) loses the first layer,
+while the guided version (``keras_mp.quantize(model, "int8")``) keeps the
+promoted first layer in float and quantizes the rest.
 
 Example:
     >>> from keras_mp import deploy_demo
     >>> x, y = deploy_demo.sentinel_data(4, seed=0)
-    >>> x.shape, y.shape, float(x[:, 0].max()) in (0.0, 70000.0)
-    ((4, 32), (4, 1), True)
+    >>> x.shape, y.shape, float(x[:, 0].min())
+    ((4, 32), (4, 1), 70000.0)
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ _FEATURES = 32
 def sentinel_data(n: int, seed: int = 0, *, fraction: float = 1.0
                   ) -> tuple[np.ndarray, np.ndarray]:
     """``n`` rows of the problem: features (float32, ``(n, 32)``) and 0/1
-    labels (``(n, 1)``); feature 0 is the sentinel in ``fraction`` of rows."""
+    labels (``(n, 1)``); feature 0 is :data:`SENTINEL` in ``fraction`` of
+    the rows (all by default), 0 in the others."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"`n` must be an int >= 1, got {n!r}.")
     if not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
@@ -67,18 +71,22 @@ def sentinel_model(policy: Any = "adaptive_float16") -> keras.Model:
         return keras.Sequential([
             keras.Input((_FEATURES,)),
             keras.layers.Dense(64, name="features"),
-            # Normalization kept in float32, as is usual under mixed precision.
-            keras.layers.BatchNormalization(momentum=0.9, dtype="float32", name="norm"),
-            keras.layers.ReLU(name="relu"),
+            # In float32, as is usual for normalization under mixed precision.
+            # The cap keeps a float16 overflow (inf) out of BatchNormalization's
+            # moving statistics; the activations stay far below it once the
+            # first layer computes in float32.
+            keras.layers.ReLU(max_value=6e4, dtype="float32", name="relu"),
+            keras.layers.BatchNormalization(momentum=0.5, dtype="float32", name="norm"),
             keras.layers.Dense(32, activation="relu", name="hidden"),
             keras.layers.Dense(1, name="logit"),
         ], name="sentinel_mlp")
 
 
 def _compile(model: keras.Model, steps: int = 1) -> None:
-    # The learning rate decays, so the weight of the uninformative sentinel
-    # settles near 0 (Adam's steps on it shrink with the rate).
-    rate = keras.optimizers.schedules.CosineDecay(3e-3, decay_steps=steps, alpha=1e-4)
+    # The learning rate decays to 0, so the first layer's response to the
+    # constant sentinel settles and BatchNormalization's moving mean (which
+    # cancels it at inference) follows.
+    rate = keras.optimizers.schedules.CosineDecay(3e-3, decay_steps=steps, alpha=0.0)
     model.compile(optimizer=keras.optimizers.Adam(rate),
                   loss=keras.losses.BinaryCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -88,6 +96,8 @@ def train(epochs: int = 6, *, n: int = 2048, seed: int = 0
           ) -> tuple[keras.Model, callbacks.AdaptivePrecision]:
     """Trains :func:`sentinel_model` under ``adaptive_float16`` with
     :class:`~keras_mp.callbacks.AdaptivePrecision`; a few seconds on a CPU."""
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"`epochs` must be an int >= 1, got {epochs!r}.")
     keras.utils.set_random_seed(seed)
     x, y = sentinel_data(n, seed)
     model = sentinel_model()
@@ -113,6 +123,8 @@ def compare(model: keras.Model, *, mode: str = "int8", n: int = 2048, seed: int 
         variant (``"float"``, ``"full"``, ``"guided"``) -> ``{"accuracy",
         "bytes", "path"}``, plus ``"plan"`` for the guided one.
     """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r}.")
     quantization._check_mode(mode)
     x, y = sentinel_data(n, seed)
     directory = directory or tempfile.mkdtemp(prefix="keras_mp_deploy_")

@@ -95,6 +95,9 @@ def float32_copy(model: keras.Model) -> keras.Model:
         TypeError: ``model`` is subclassed (it cannot be cloned from its config).
         ValueError: ``model`` has quantized layers.
     """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
+                        f"{type(model).__name__}.")
     quantized = _quantized_layers(model)
     if quantized:
         raise ValueError(f"`model` has quantized layers ({', '.join(quantized)}); a float32 "
