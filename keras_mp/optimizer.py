@@ -386,9 +386,10 @@ class LossScaleOptimizer(_KerasLSO):
             config["initial_scale"] = _DEFAULT_INITIAL_SCALE
             config["dynamic_growth_steps"] = self.dynamic_growth_steps
             config["schedule"] = serialize_keras_object(self.schedule)
-        else:
-            config["schedule"] = None
-        config["max_consecutive_skips"] = self.max_consecutive_skips
+        # Written only when set: with Keras's arguments alone the config is
+        # exactly Keras's (its own tests check the keys).
+        if self.max_consecutive_skips is not None:
+            config["max_consecutive_skips"] = self.max_consecutive_skips
         return config
 
     @classmethod
