@@ -13,7 +13,7 @@ from keras_mp import cli
 
 def test_console_script_help():
     exe = shutil.which("keras-mp") or os.path.join(os.path.dirname(sys.executable), "keras-mp")
-    for cmd in ([], ["demo"], ["info"], ["bench"], ["export"]):
+    for cmd in ([], ["demo"], ["info"], ["bench"]):
         out = subprocess.run([exe, *cmd, "--help"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert "usage: keras-mp" in out.stdout

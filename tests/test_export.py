@@ -56,34 +56,46 @@ def _model():
     return model
 
 
-def test_saved_model_and_litert_reload_in_a_fresh_process(tmp_path):
+def test_saved_model_litert_and_cli_reload_in_a_fresh_process(tmp_path, capsys):
     adaptive = _model()
     fused = keras_mp.fuse(adaptive)
     quantized = keras_mp.fuse(adaptive)
     quantized.quantize("int8")
+    folder = tmp_path / "artifacts"
+    folder.mkdir()
     expected = {}
     for name, model in [("adaptive", adaptive), ("fused", fused), ("int8", quantized)]:
-        export(model, tmp_path / f"sm_{name}")
+        export(model, folder / f"sm_{name}")
         expected[f"sm_{name}"] = np.asarray(model(_X)).astype("float32")
-    export(adaptive, tmp_path / "sm_compute", output_dtype="compute")
+    export(adaptive, folder / "sm_compute", output_dtype="compute")
     reference32 = np.asarray(float32_copy(adaptive)(_X))
-    for name, model in [("adaptive", adaptive), ("fused", fused)]:
-        for weights in (None, "float16", "int8"):
-            export(model, tmp_path / f"{name}_{weights}.tflite", "litert", weights=weights)
-    got = _reload_in_fresh_process(tmp_path)
+    for weights in (None, "float16", "int8"):
+        export(adaptive, folder / f"adaptive_{weights}.tflite", "litert", weights=weights)
+    export(fused, folder / "fused_None.tflite", "litert")
+    # `keras-mp export` of a quantized .keras file
+    quantized.save(tmp_path / "q.keras")
+    with pytest.raises(SystemExit):
+        cli.main(["export", "--help"])
+    assert "--weights" in capsys.readouterr().out
+    assert cli.main(["export", str(tmp_path / "q.keras"), str(folder / "sm_cli")]) == 0
+    assert "float32 outputs" in capsys.readouterr().out
+    assert cli.main(["export", str(tmp_path / "q.keras"), str(folder / "q.tflite"),
+                     "--format", "litert"]) == 2
+    assert "weights='int8'" in capsys.readouterr().err
+    expected["sm_cli"] = expected["sm_int8"]
 
+    got = _reload_in_fresh_process(folder)
     for name, want in expected.items():   # the model's own computation, float32 outputs
         assert got[name].dtype == np.float32
         np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-5)
     assert got["sm_compute"].dtype == np.float32  # the last layer computes in float32 here
     scale = np.abs(reference32).max()
-    for name in ("adaptive", "fused"):
-        np.testing.assert_allclose(got[f"{name}_None.tflite"], reference32, rtol=1e-5,
-                                   atol=1e-5)
-        assert np.abs(got[f"{name}_float16.tflite"] - reference32).max() < 1e-2 * scale
-        assert np.abs(got[f"{name}_int8.tflite"] - reference32).max() < 5e-2 * scale
-        # and the float32 LiteRT file matches the bfloat16 Keras model within bfloat16
-        assert np.abs(got[f"{name}_None.tflite"] - expected[f"sm_{name}"]).max() < 3e-2 * scale
+    for name in ("adaptive_None", "fused_None"):
+        np.testing.assert_allclose(got[f"{name}.tflite"], reference32, rtol=1e-5, atol=1e-5)
+    assert np.abs(got["adaptive_float16.tflite"] - reference32).max() < 1e-2 * scale
+    assert np.abs(got["adaptive_int8.tflite"] - reference32).max() < 5e-2 * scale
+    # the float32 LiteRT file matches the bfloat16 Keras model within bfloat16's rounding
+    assert np.abs(got["adaptive_None.tflite"] - expected["sm_adaptive"]).max() < 3e-2 * scale
 
 
 def test_bfloat16_outputs_are_cast_unless_asked(tmp_path):
@@ -115,19 +127,3 @@ def test_bad_arguments(tmp_path, kwargs, error, match):
         export(_model(), tmp_path / "x", **kwargs)
     with pytest.raises(TypeError, match="`model`"):
         export("model.keras", tmp_path / "x")
-
-
-def test_cli_export(tmp_path, capsys):
-    model = _model()
-    model.quantize("int8")
-    model.save(tmp_path / "m.keras")
-    folder = tmp_path / "artifacts"
-    folder.mkdir()
-    assert cli.main(["export", str(tmp_path / "m.keras"), str(folder / "served")]) == 0
-    assert "float32 outputs" in capsys.readouterr().out
-    assert cli.main(["export", str(tmp_path / "m.keras"), str(folder / "q.tflite"),
-                     "--format", "litert"]) == 2
-    assert "weights='int8'" in capsys.readouterr().err
-    got = _reload_in_fresh_process(folder)
-    np.testing.assert_allclose(got["served"], np.asarray(model(_X)).astype("float32"),
-                               rtol=1e-5, atol=1e-5)

@@ -195,3 +195,37 @@ def test_calibrated_modes_on_an_adaptive_token_model(mode):
     after = model.predict(data[:4], verbose=0)
     assert np.isfinite(after).all()
     assert np.abs(after - before).max() < 0.5 * np.abs(before).max()
+
+
+def test_float8_layers_train_under_adaptive_precision_and_are_left_alone():
+    from keras_mp.callbacks import AdaptivePrecision
+
+    model = _model("adaptive_float16")
+    first, last = model.layers[1], model.layers[-1]
+    model.quantize("float8", filters=lambda layer: layer is first)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    callback = AdaptivePrecision(interval=2)
+    history = model.fit(_X, _Y, batch_size=4, epochs=3, verbose=0, callbacks=[callback])
+    assert np.isfinite(history.history["loss"]).all()
+    assert first.quantization_mode == "float8" and first.dtype_policy.name == \
+        "float8_from_mixed_float16"
+    assert all(event["layer"] != first.path for event in callback.events)
+    assert policy_of(model).dtype_of(last.path) in ("float16", "float32")
+
+
+def test_fused_attention_quantizes_its_einsum_layers(tmp_path):
+    with keras_mp.policy_scope("adaptive_bfloat16"):
+        inputs = keras.Input((4, 8))
+        x = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
+        model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    fused = keras_mp.fuse(model)
+    fused.quantize("int8")
+    modes = {type(layer).__name__: layer.quantization_mode
+             for layer in fused._flatten_layers(include_self=False)
+             if isinstance(layer, (keras.layers.EinsumDense, keras.layers.Dense))}
+    assert set(modes.values()) == {"int8"} and "EinsumDense" in modes, modes
+    x = np.random.default_rng(0).normal(size=(2, 4, 8)).astype("float32")
+    out = fused.predict(x, verbose=0)
+    fused.save(tmp_path / "mha.keras")
+    again = keras.saving.load_model(tmp_path / "mha.keras")
+    np.testing.assert_allclose(again.predict(x, verbose=0), out, rtol=1e-5, atol=1e-5)
