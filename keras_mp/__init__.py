@@ -6,15 +6,16 @@ for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
 """
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
-from keras_mp import (autofit, callbacks, controller, device, distribute, forward, hooks,
-                      kernels, layers, loss_scale, ops, policies, precision_state, probe, report,
-                      stats, xla)
+from keras_mp import (autofit, callbacks, controller, device, distribute, export, forward,
+                      hooks, kernels, layers, loss_scale, ops, policies, precision_state, probe,
+                      quantization, report, stats, xla)
 from keras_mp.distribute import patch_multi_worker
 from keras_mp.fuse import fuse
 from keras_mp.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
                                  PiecewiseInterval)
 from keras_mp.optimizer import LossScaleOptimizer
 from keras_mp.policies import AdaptivePolicy, global_policy, policy_scope, set_global_policy
+from keras_mp.quantization import quantize
 from keras_mp.report import precision_report
 from keras_mp.xla import set_xla, uses_xla
 
@@ -26,6 +27,9 @@ __version__ = "0.1.0"
 patch_multi_worker()
 # fit adds an AdaptivePrecision to models built under an adaptive policy.
 autofit.install()
+# Keras's model.quantize reads a DTypePolicyMap's name as a layer's policy
+# name; the fix hands each layer its own entry (see keras_mp.quantization).
+quantization.patch_quantize()
 
 __all__ = [
     "AdaptivePolicy",
@@ -39,6 +43,7 @@ __all__ = [
     "controller",
     "device",
     "distribute",
+    "export",
     "forward",
     "fuse",
     "global_policy",
@@ -53,6 +58,8 @@ __all__ = [
     "precision_report",
     "precision_state",
     "probe",
+    "quantization",
+    "quantize",
     "report",
     "set_global_policy",
     "set_xla",

@@ -81,6 +81,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    import keras
+
+    from keras_mp import export
+
+    model = keras.saving.load_model(args.model, compile=False)
+    weights = None if args.weights == "float32" else args.weights
+    export.export(model, args.out, args.format, output_dtype=args.output_dtype, weights=weights)
+    print(f"Wrote {args.out} ({args.format}, float32 inputs, "
+          f"{'float32' if args.format == 'litert' else args.output_dtype} outputs)")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-mp",
@@ -120,6 +133,22 @@ def _parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     bench.add_argument("--out", default=None, help="folder for bench.json and bench.png")
     bench.set_defaults(func=_bench)
+
+    exp = sub.add_parser(
+        "export", help="write a .keras model as a SavedModel or a LiteRT file",
+        description="Loads MODEL.keras (adaptive, fused or quantized) and writes it for "
+                    "serving with keras_mp.export.export: a SavedModel folder or a .tflite "
+                    "file, with float32 inputs and outputs.")
+    exp.add_argument("model", help="the .keras file")
+    exp.add_argument("out", help="the SavedModel folder or .tflite file to write")
+    exp.add_argument("--format", default="tf_saved_model", choices=["tf_saved_model", "litert"],
+                     help="(default: %(default)s)")
+    exp.add_argument("--weights", default="float32", choices=["float32", "float16", "int8"],
+                     help="LiteRT weight storage (default: %(default)s)")
+    exp.add_argument("--output-dtype", default="float32", choices=["float32", "compute"],
+                     help="SavedModel outputs: float32, or the model's own dtype "
+                          "(default: %(default)s)")
+    exp.set_defaults(func=_export)
     # Read by keras_mp._backend before TensorFlow loads; accepted before or
     # after the command.
     verbose = "show TensorFlow's native start-up log (hidden by default)"

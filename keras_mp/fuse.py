@@ -18,6 +18,7 @@ from __future__ import annotations
 import keras
 
 from keras_mp.layers import FUSED_LAYERS
+from keras_mp.policies import policy_of
 
 __all__ = ["fuse"]
 
@@ -65,6 +66,9 @@ def fuse(model: keras.Model) -> keras.Model:
             "weights can be carried over.")
     fused = keras.models.clone_model(model, clone_function=_swap, recursive=True)
     _copy_weights(model, fused)
+    # Cloned layers each deserialized their own copy of an AdaptivePolicy:
+    # make them share one, as the original's layers do.
+    policy_of(fused)
     return fused
 
 

@@ -78,6 +78,11 @@ class Dense(keras.layers.Dense):
                 and not self.lora_enabled
                 and not self.quantization_mode)
 
+    def quantize(self, mode=None, type_check=True, config=None):
+        # Keras quantizes only exact keras.layers.Dense unless told otherwise;
+        # once quantized this layer runs Keras's own quantized call.
+        super().quantize(mode, type_check=False, config=config)
+
     def call(self, inputs, training=None):
         if not self.fused:
             return super().call(inputs, training=training)

@@ -241,6 +241,8 @@ class DynamicLossScale(LossScaleSchedule):
         if not 0.0 < self.backoff_factor < 1.0:
             raise ValueError("`backoff_factor` must be in the open interval (0, 1), "
                              f"got {backoff_factor!r}.")
+        if isinstance(growth_interval, float) and growth_interval.is_integer():
+            growth_interval = int(growth_interval)   # 3.0, as Keras accepts
         if callable(growth_interval):
             self.growth_interval = growth_interval
         elif isinstance(growth_interval, bool) or not isinstance(growth_interval, int):

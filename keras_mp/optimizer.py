@@ -41,14 +41,30 @@ def _in_xla_context() -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
+def _whole_steps(value) -> int:
+    """A step count: an int >= 1, or a float holding one (``3.0``), as Keras accepts."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError("`dynamic_growth_steps` must be a whole number >= 1 (an int, or a "
+                         f"float such as 3.0), got {value!r}.")
+    return value
+
+
+def _growth_steps_of(schedule: loss_scale_lib.LossScaleSchedule) -> int | None:
+    """What ``dynamic_growth_steps`` reports: the schedule's fixed growth
+    interval, None when it has none (a fixed scale, as tf.keras reported)."""
+    interval = getattr(schedule, "growth_interval", None)
+    if not schedule.is_dynamic or isinstance(interval, bool) or not isinstance(interval, int):
+        return None
+    return interval
+
+
 def _legacy_schedule(initial_scale, dynamic_growth_steps) -> loss_scale_lib.DynamicLossScale:
     if isinstance(initial_scale, bool) or not isinstance(initial_scale, (int, float)) \
             or not math.isfinite(initial_scale) or initial_scale <= 0:
         raise ValueError(f"`initial_scale` must be a finite number > 0, got {initial_scale!r}.")
-    if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, int) \
-            or dynamic_growth_steps < 1:
-        raise ValueError("`dynamic_growth_steps` must be an int >= 1, got "
-                         f"{dynamic_growth_steps!r}.")
+    dynamic_growth_steps = _whole_steps(dynamic_growth_steps)
     initial_scale = float(initial_scale)
     # Keras has no bounds; ours must contain the scale the user asked for.
     return loss_scale_lib.DynamicLossScale(
@@ -129,6 +145,8 @@ class LossScaleOptimizer(_KerasLSO):
             raise TypeError(
                 "`inner_optimizer` must be a keras.optimizers.Optimizer instance, "
                 f"got {inner_optimizer!r} of type {type(inner_optimizer).__name__}.")
+        if dynamic_growth_steps is None and schedule is not None:
+            dynamic_growth_steps = _DEFAULT_GROWTH_STEPS   # as get_config writes it
         if schedule is not None:
             if initial_scale != _DEFAULT_INITIAL_SCALE or \
                     dynamic_growth_steps != _DEFAULT_GROWTH_STEPS:
@@ -149,6 +167,8 @@ class LossScaleOptimizer(_KerasLSO):
             distribute.check_strategy()  # fail at construction, before compile
         super().__init__(inner_optimizer, initial_scale=initial_scale,
                          dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)
+        # None with a fixed scale (tf.keras's value); the schedule's interval otherwise.
+        self.dynamic_growth_steps = _growth_steps_of(schedule)
         self._schedule_given = schedule_given
         self.schedule = schedule
         self.max_consecutive_skips = max_consecutive_skips
@@ -211,7 +231,10 @@ class LossScaleOptimizer(_KerasLSO):
         return ops.multiply(loss, ops.cast(self.loss_scale, loss.dtype))
 
     def get_scaled_loss(self, loss):
-        """Alias of :meth:`scale_loss`, for code migrating from ``tf.keras``."""
+        """:meth:`scale_loss`, for code migrating from ``tf.keras``: as there,
+        a callable ``loss`` gives a callable that returns the scaled loss."""
+        if callable(loss):
+            return lambda: self.scale_loss(loss())
         return self.scale_loss(loss)
 
     def get_unscaled_gradients(self, grads):
@@ -225,14 +248,16 @@ class LossScaleOptimizer(_KerasLSO):
     def apply(self, grads, trainable_variables=None):
         if not self.built and not tf.executing_eagerly() and tf.distribute.has_strategy() \
                 and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            # Variables created lazily inside a traced replica function are
-            # not initialised before the function reads them; fail clearly
-            # instead of with "You must feed a value for placeholder tensor".
-            raise ValueError(
-                "LossScaleOptimizer must be built before its first step under a "
-                "multi-replica tf.distribute strategy: call "
-                "`optimizer.build(model.trainable_variables)` inside `strategy.scope()` "
-                "first (model.fit does this by itself).")
+            # Variables created lazily inside a traced replica function would
+            # not be initialised before the function reads them ("You must feed
+            # a value for placeholder tensor"). As tf.keras's optimizer did,
+            # create them once, outside the function, in cross-replica context.
+            variables = trainable_variables
+            ctx = tf.distribute.get_replica_context()
+            if ctx is not None:
+                ctx.merge_call(lambda _: self._build_outside_function(variables))
+            else:
+                self._build_outside_function(variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -272,6 +297,12 @@ class LossScaleOptimizer(_KerasLSO):
         else:
             ctx.merge_call(self._merged_apply,
                            args=(unscaled, trainable_variables, finite, nonfinite, step, tvars))
+
+    def _build_outside_function(self, variables):
+        with tf.init_scope():
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+            self.built = True
 
     def _apply_inner(self, grads, trainable_variables):
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
@@ -353,11 +384,12 @@ class LossScaleOptimizer(_KerasLSO):
         config = super().get_config()
         if self._schedule_given:
             config["initial_scale"] = _DEFAULT_INITIAL_SCALE
-            config["dynamic_growth_steps"] = _DEFAULT_GROWTH_STEPS
+            config["dynamic_growth_steps"] = self.dynamic_growth_steps
             config["schedule"] = serialize_keras_object(self.schedule)
-        else:
-            config["schedule"] = None
-        config["max_consecutive_skips"] = self.max_consecutive_skips
+        # Written only when set: with Keras's arguments alone the config is
+        # exactly Keras's (its own tests check the keys).
+        if self.max_consecutive_skips is not None:
+            config["max_consecutive_skips"] = self.max_consecutive_skips
         return config
 
     @classmethod
@@ -368,4 +400,8 @@ class LossScaleOptimizer(_KerasLSO):
         schedule = config.pop("schedule", None)
         if isinstance(schedule, dict):
             schedule = deserialize_keras_object(schedule, custom_objects=custom_objects)
+        if schedule is not None:
+            # Derived from the schedule, which sets both.
+            config.pop("initial_scale", None)
+            config.pop("dynamic_growth_steps", None)
         return cls(inner, schedule=schedule, **config)

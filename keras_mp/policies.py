@@ -77,6 +77,10 @@ class AdaptivePolicy(DTypePolicyMap):
         name: the policy's name; ``"adaptive"`` unless given.
         assignments: layer path -> dtype, for layers not in the narrowest
             candidate (restored from a config).
+        policies: layer path (or regex, as in ``DTypePolicyMap``) -> any
+            other ``DTypePolicy`` (or its name or config): quantized entries
+            such as ``"int8_from_mixed_bfloat16"``, or dtypes outside the
+            candidates. The adaptive controller never changes them.
         records: layer path -> what the controller recorded (``"state"``,
             ``"stats"``, ``"history"``), restored from a config.
 
@@ -96,6 +100,7 @@ class AdaptivePolicy(DTypePolicyMap):
                  rule: controller.DecisionRule | dict | None = None,
                  name: str | None = None,
                  assignments: dict[str, str] | None = None,
+                 policies: dict[str, Any] | None = None,
                  records: dict[str, dict[str, Any]] | None = None):
         if candidates is None:
             candidates = device.default_candidates()
@@ -112,6 +117,11 @@ class AdaptivePolicy(DTypePolicyMap):
         super().__init__(default_policy=_keras_policy(self._candidates[0]))
         for path, dtype in (assignments or {}).items():
             self.assign(path, dtype)
+        if policies is not None and not isinstance(policies, dict):
+            raise TypeError(f"`policies` must be a dict of layer path -> DTypePolicy, got "
+                            f"{policies!r}.")
+        for path, entry in (policies or {}).items():
+            self.set_policy(path, entry)
         self.records: dict[str, dict[str, Any]] = copy.deepcopy(records or {})
         self._override: dict[str, str] = {}
 
@@ -180,6 +190,12 @@ class AdaptivePolicy(DTypePolicyMap):
                              f"got {dtype!r}.")
         old = self._key_for(path)
         if old is not None:
+            entry = self._policy_map[old]
+            if entry.quantization_mode is not None:
+                raise ValueError(
+                    f"Cannot assign `dtype`={dtype!r} to the layer at `path`={path!r}: it is "
+                    f"quantized ({entry.name!r}); a quantized layer keeps its precision. "
+                    "Reload the float model to change it.")
             del self[old]
         if dtype != self._candidates[0]:
             self[path] = _keras_policy(dtype)
@@ -208,9 +224,56 @@ class AdaptivePolicy(DTypePolicyMap):
         finally:
             self._override = old
 
+    def set_policy(self, path: str, policy: Any) -> None:
+        """Sets any ``DTypePolicy`` as the entry for ``path`` (replacing one),
+        as ``DTypePolicyMap``'s item assignment does; the adaptive controller
+        does not change such an entry.
+
+        Args:
+            path: a layer's ``path`` (or a regex, as in ``DTypePolicyMap``).
+            policy: a ``DTypePolicy``, its name (``"int8_from_mixed_bfloat16"``)
+                or its config.
+
+        Example:
+            >>> from keras_mp import AdaptivePolicy
+            >>> p = AdaptivePolicy(("bfloat16", "float32"))
+            >>> p.set_policy("dense", "int8_from_mixed_bfloat16")
+            >>> q = AdaptivePolicy.from_config(p.get_config())
+            >>> q["dense"].name, q["dense"].quantization_mode
+            ('int8_from_mixed_bfloat16', 'int8')
+        """
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"`path` must be a non-empty layer path, got {path!r}.")
+        if isinstance(policy, dict):
+            policy = keras.saving.deserialize_keras_object(policy)
+        try:
+            policy = keras.dtype_policies.get(policy)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"`policy` must be a DTypePolicy, its name or its config, got "
+                             f"{policy!r}.") from e
+        if isinstance(policy, DTypePolicyMap):
+            raise ValueError(f"`policy` for {path!r} cannot itself be a DTypePolicyMap.")
+        old = self._key_for(path)
+        if old is not None:
+            del self[old]
+        self[path] = policy
+
+    def _is_assignment(self, policy: DTypePolicy) -> bool:
+        dtype = policy.compute_dtype
+        return (type(policy) is DTypePolicy and dtype in self._candidates
+                and policy.name == _KERAS_FOR[dtype])
+
     def assignments(self) -> dict[str, str]:
-        """Layer path -> compute dtype, for layers not in the narrowest candidate."""
-        return {path: policy.compute_dtype for path, policy in self._policy_map.items()}
+        """Layer path -> compute dtype, for layers not in the narrowest candidate
+        (the entries the adaptive controller sets; see :meth:`policies`)."""
+        return {path: policy.compute_dtype for path, policy in self._policy_map.items()
+                if self._is_assignment(policy)}
+
+    def policies(self) -> dict[str, DTypePolicy]:
+        """Layer path -> entry, for every other entry (quantized layers, dtypes
+        outside the candidates), which the adaptive controller leaves alone."""
+        return {path: policy for path, policy in self._policy_map.items()
+                if not self._is_assignment(policy)}
 
     # -- serialization ---------------------------------------------------
 
@@ -222,6 +285,8 @@ class AdaptivePolicy(DTypePolicyMap):
             "rule": self.rule.get_config(),
             "name": self._adaptive_name,
             "assignments": self.assignments(),
+            "policies": {path: keras.saving.serialize_keras_object(policy)
+                         for path, policy in self.policies().items()},
             "records": copy.deepcopy(self.records),
         }
 
@@ -230,8 +295,10 @@ class AdaptivePolicy(DTypePolicyMap):
         return cls(**config)
 
     def __repr__(self) -> str:
+        others = {path: p.name for path, p in self.policies().items()}
         return (f"<AdaptivePolicy {self._adaptive_name!r} candidates={self._candidates} "
-                f"assignments={self.assignments()}>")
+                f"assignments={self.assignments()}" + (f" policies={others}" if others else "")
+                + ">")
 
 
 def get(policy: Any) -> DTypePolicy:

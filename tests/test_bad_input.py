@@ -20,14 +20,16 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp import (autofit, callbacks, controller, datasets, device, distribute, forward,
-                      hooks, kernels, layers, loss_scale, ops, optimizer, policies,
-                      precision_state, probe, report, stats, tuning, xla)
+from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device,
+                      distribute, export, forward, hooks, kernels, layers, loss_scale, ops,
+                      optimizer, policies, precision_state, probe, quantization, report, stats,
+                      tuning, xla)
 from keras_mp.fuse import fuse as fuse_model
 
-MODULES = ["autofit", "callbacks", "cli", "controller", "datasets", "demo", "device",
-           "distribute", "forward", "fuse", "hooks", "kernels", "layers", "loss_scale", "ops",
-           "optimizer", "policies", "precision_state", "probe", "report", "stats", "tuning", "xla"]
+MODULES = ["autofit", "callbacks", "cli", "controller", "datasets", "demo", "deploy_demo",
+           "device", "distribute", "export", "forward", "fuse", "hooks", "kernels", "layers",
+           "loss_scale", "ops", "optimizer", "policies", "precision_state", "probe",
+           "quantization", "report", "stats", "tuning", "xla"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -39,6 +41,7 @@ NO_ARGUMENTS = {
     "loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "autofit.enabled", "autofit.install",
     "forward.floating_tensors",  # takes any structure; keeps its floating tensors
+    "quantization.patch_quantize", "quantization.unpatch_quantize",
 }
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
@@ -278,6 +281,29 @@ CASES = [
     ("xla.uses_xla", lambda: xla.uses_xla("conv"), ValueError, "`kind`"),
     ("xla.jit", lambda: xla.jit("conv"), ValueError, "`kind`"),
     ("xla.xla_available", lambda: xla.xla_available("QPU"), ValueError, "`device_type`"),
+    # quantization, export, deploy_demo
+    ("quantization.plan", lambda: quantization.plan(_model(), "int2"), ValueError, "`mode`"),
+    ("quantization.plan", lambda: quantization.plan("model"), TypeError, "`model`"),
+    ("quantization.quantize", lambda: quantization.quantize(_model(), keep="dense"), TypeError,
+     "`keep`"),
+    ("quantization.quantize", lambda: quantization.quantize(_model(), "gptq"), ValueError,
+     "`config`"),
+    ("quantization.quantizable", lambda: quantization.quantizable(
+        keras.layers.Dense(2), "int3"), ValueError, "`mode`"),
+    ("export.export", lambda: export.export(_model(), "/tmp/x", "onnx"), ValueError, "`format`"),
+    ("export.export", lambda: export.export(_model(), "/tmp/x", weights="int8"), ValueError,
+     "`weights`"),
+    ("export.export", lambda: export.export(_model(), 3), TypeError, "`path`"),
+    ("export.float32_copy", lambda: export.float32_copy("m"), TypeError, "`model`"),
+    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(policies=3), TypeError,
+     "`policies`"),
+    ("deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(0), ValueError, "`n`"),
+    ("deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(4, fraction=2), ValueError,
+     "`fraction`"),
+    ("deploy_demo.sentinel_model", lambda: deploy_demo.sentinel_model("fp7"), ValueError,
+     "`policy`"),
+    ("deploy_demo.train", lambda: deploy_demo.train(epochs=0), ValueError, "`epochs`"),
+    ("deploy_demo.compare", lambda: deploy_demo.compare("m"), TypeError, "`model`"),
 ]
 
 

@@ -471,9 +471,47 @@ def _custom_loop(strategy, build_first):
     return model, opt
 
 
-def test_custom_loop_under_mirrored_strategy_needs_a_built_optimizer(two_replica_strategy):
-    with pytest.raises(ValueError, match=r"optimizer.build\(model.trainable_variables\)"):
-        _custom_loop(two_replica_strategy, build_first=False)
+def test_custom_loop_under_mirrored_strategy_builds_in_the_first_traced_step(
+        two_replica_strategy):
+    # As tf.keras's optimizer did: no optimizer.build(...) needed first.
+    keras.utils.set_random_seed(1)
+    model, opt = _custom_loop(two_replica_strategy, build_first=False)
+    assert opt.built and int(opt.iterations.numpy()) == 1
+    assert int(opt.skipped_steps.numpy()) == 0 and float(opt.loss_scale) == 64.0
+    keras.utils.set_random_seed(1)
+    reference, _ = _custom_loop(two_replica_strategy, build_first=True)
+    for a, b in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+
+
+# -- drop-in fidelity: what Keras's and tf.keras's own tests accept ------------
+
+def test_float_growth_steps_that_are_whole_numbers():
+    opt = LossScaleOptimizer(SGD(), dynamic_growth_steps=3.0)
+    assert opt.dynamic_growth_steps == 3 and opt.schedule.growth_interval == 3
+    assert KerasLSO(SGD(), dynamic_growth_steps=3.0).dynamic_growth_steps == 3.0
+    assert DynamicLossScale(growth_interval=4.0).growth_interval == 4
+    with pytest.raises(ValueError, match="whole number"):
+        LossScaleOptimizer(SGD(), dynamic_growth_steps=2.5)
+
+
+def test_fixed_schedule_reports_no_growth_steps():
+    opt = LossScaleOptimizer(SGD(), schedule=FixedLossScale(128.0))
+    assert opt.dynamic_growth_steps is None
+    config = opt.get_config()
+    assert config["dynamic_growth_steps"] is None
+    again = LossScaleOptimizer.from_config(config)
+    assert again.dynamic_growth_steps is None and float(again.loss_scale) == 128.0
+    dyn = LossScaleOptimizer(SGD(), schedule=DynamicLossScale(growth_interval=7))
+    assert dyn.dynamic_growth_steps == 7
+    assert LossScaleOptimizer.from_config(dyn.get_config()).schedule.growth_interval == 7
+
+
+def test_get_scaled_loss_accepts_a_callable():
+    opt = LossScaleOptimizer(SGD(), initial_scale=8.0)
+    scaled = opt.get_scaled_loss(lambda: tf.constant(2.0))
+    assert callable(scaled) and float(scaled()) == 16.0
+    assert float(opt.get_scaled_loss(tf.constant(2.0))) == 16.0
 
 
 def test_custom_loop_under_mirrored_strategy(two_replica_strategy):

@@ -33,6 +33,11 @@ EXPECTED = {
                                        r"fused mixed_bfloat16\s+\d"],
     "04_custom_loops_and_distribute.ipynb": [r"replicas: 2", r"skipped steps: 0 -> 1",
                                              r"replicas agree: True"],
+    "05_deployment.ipynb": [r"features\s+float16 -> float32", r"features': 'promoted'",
+                            r"guided is within 0\.[0-4]\d points",
+                            r"SavedModel output dtype: float32",
+                            r"SavedModel \(guided int8\)\s+accuracy 0\.[6-9]",
+                            r"LiteRT \(float32\)\s+accuracy 0\.[6-9]"],
 }
 
 

@@ -1,0 +1,266 @@
+"""Keras quantization on keras-mp models, and quantization guided by what
+adaptive training learned.
+
+Two things live here:
+
+1. :func:`patch_quantize` (installed when ``keras_mp`` is imported) makes
+   Keras's own ``model.quantize(mode)`` / ``layer.quantize(mode)`` work on
+   layers that hold an :class:`keras_mp.AdaptivePolicy`. Keras's quantizable
+   layers (``Dense``, ``EinsumDense``, ``Embedding``, ``ReversibleEmbedding``)
+   name their new policy ``"{mode}_from_{layer.dtype_policy.name}"`` and read
+   ``layer.dtype_policy.quantization_mode`` when saving; for a layer holding a
+   ``DTypePolicyMap`` both read the *map* (``"adaptive_bfloat16"``: ``ValueError:
+   Cannot convert 'adaptive_bfloat16' to a mixed precision DTypePolicy``). The
+   fix hands the layer its own entry (``mixed_bfloat16``, or ``float32`` for a
+   promoted layer) for the duration of the call; a layer that ends up
+   quantized keeps its quantized policy (``int8_from_mixed_bfloat16``), exactly
+   what it would hold in plain Keras, and the AdaptivePolicy records that
+   entry, so the adaptive controller leaves the layer alone and
+   :meth:`~keras_mp.AdaptivePolicy.assign` refuses to change it. A layer that
+   Keras does not quantize (not supported, filtered out, or an error) goes
+   back to the AdaptivePolicy unchanged.
+2. :func:`quantize` quantizes the layers adaptive training found robust and
+   keeps in float the ones it had to promote, the ones the float32 probe found
+   sensitive, and a keep-list; :func:`plan` says which and why.
+
+Example:
+    >>> import keras, keras_mp, numpy as np
+    >>> keras_mp.set_global_policy("adaptive_bfloat16")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+    ...                           keras.layers.Dense(2)])
+    >>> keras_mp.set_global_policy("float32")
+    >>> keras_mp.global_policy().name
+    'float32'
+    >>> model.quantize("int8")                     # Keras's own call
+    >>> [layer.dtype_policy.name for layer in model.layers]
+    ['int8_from_mixed_bfloat16', 'int8_from_mixed_bfloat16']
+    >>> model.predict(np.ones((1, 4), "float32"), verbose=0).shape
+    (1, 2)
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import keras
+from keras.src.dtype_policies import QUANTIZATION_MODES  # no public name
+
+from keras_mp.policies import AdaptivePolicy, policy_of
+
+__all__ = ["MODES", "patch_quantize", "plan", "quantize", "quantizable"]
+
+#: The quantization modes of the installed Keras.
+MODES: tuple[str, ...] = tuple(QUANTIZATION_MODES)
+#: Modes that :func:`quantize` can run without a calibration set (gptq and
+#: awq need a ``keras.quantizers.GPTQConfig``/``AWQConfig`` with data and a
+#: layer structure; pass one as ``config``).
+_DATA_FREE = ("int8", "float8", "int4")
+_MARK = "_keras_mp_quantize_fix"
+_lock = threading.Lock()
+_originals: dict[type, Callable] = {}
+_WIDTH = {"float16": 0, "bfloat16": 1, "float32": 2}
+
+
+def _quantizable_classes() -> list[type]:
+    classes = [keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding]
+    if hasattr(keras.layers, "ReversibleEmbedding"):
+        classes.append(keras.layers.ReversibleEmbedding)
+    return classes
+
+
+def _with_own_entry(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def quantize(self, mode=None, type_check=True, config=None):
+        held = self.__dict__.get("_dtype_policy")
+        if not isinstance(held, AdaptivePolicy) or not self.path:
+            return original(self, mode, type_check=type_check, config=config)
+        # The layer's own entry, so Keras reads a real policy's name and mode.
+        self._dtype_policy = held[self.path]
+        try:
+            original(self, mode, type_check=type_check, config=config)
+        except BaseException:
+            self._dtype_policy = held
+            raise
+        own = self._dtype_policy
+        if own.quantization_mode is None:
+            self._dtype_policy = held          # not quantized: still adaptive
+        else:
+            held.set_policy(self.path, own)    # recorded; the controller skips it
+    setattr(quantize, _MARK, True)
+    return quantize
+
+
+def patch_quantize() -> tuple[str, ...]:
+    """Lets Keras quantize layers that hold an :class:`~keras_mp.AdaptivePolicy`
+    (see the module docstring). Idempotent; ``import keras_mp`` calls it.
+
+    Returns:
+        The names of the layer classes whose ``quantize`` is wrapped.
+    """
+    with _lock:
+        for cls in _quantizable_classes():
+            current = cls.__dict__.get("quantize")
+            if current is None or getattr(current, _MARK, False):
+                continue
+            _originals[cls] = current
+            cls.quantize = _with_own_entry(current)
+        return tuple(cls.__name__ for cls in _originals)
+
+
+def unpatch_quantize() -> None:
+    """Puts Keras's own ``quantize`` methods back (for tests)."""
+    with _lock:
+        for cls, original in list(_originals.items()):
+            cls.quantize = original
+            del _originals[cls]
+
+
+def quantizable(layer: keras.layers.Layer, mode: str = "int8") -> bool:
+    """Whether Keras can quantize ``layer`` in ``mode`` (a built, not yet
+    quantized Dense, EinsumDense, Embedding or ReversibleEmbedding; int8 never
+    on a float16-computing layer, as in Keras)."""
+    _check_mode(mode)
+    return _supported(layer) and not (mode == "int8" and layer.compute_dtype == "float16")
+
+
+def _supported(layer: keras.layers.Layer) -> bool:
+    return (isinstance(layer, tuple(_quantizable_classes())) and layer.built
+            and layer.quantization_mode is None and not getattr(layer, "_is_quantized", False))
+
+
+def _compute_in_float32(layer: keras.layers.Layer) -> None:
+    held = layer.__dict__.get("_dtype_policy")
+    if isinstance(held, AdaptivePolicy):
+        held.set_policy(layer.path, "float32")
+    else:
+        layer.dtype_policy = "float32"
+
+
+def _check_mode(mode: Any) -> None:
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of the installed Keras's quantization modes "
+                         f"{MODES}, got {mode!r}.")
+
+
+def _promoted(record: dict[str, Any]) -> bool:
+    state = record.get("state") or {}
+    if int(state.get("strikes", 0) or 0) > 0:
+        return True
+    for switch in record.get("history") or []:
+        old, new = switch.get("old"), switch.get("new")
+        if old in _WIDTH and new in _WIDTH and _WIDTH[new] > _WIDTH[old]:
+            return True
+    return False
+
+
+def _matches(layer: keras.layers.Layer, keep: Iterable[str]) -> bool:
+    names = {layer.name, layer.path, layer.path.split("/", 1)[-1]}
+    return any(any(k == n or re.fullmatch(k, n) for n in names) for k in keep)
+
+
+def _check_keep(keep: Any) -> tuple[str, ...]:
+    if isinstance(keep, str) or not isinstance(keep, (list, tuple, set, frozenset)) \
+            or not all(isinstance(k, str) and k for k in keep):
+        raise TypeError("`keep` must be a list of layer names, paths or regexes (strings), "
+                        f"got {keep!r}.")
+    return tuple(keep)
+
+
+def plan(model: keras.Model, mode: str = "int8", *,
+         keep: Iterable[str] = ()) -> dict[str, str]:
+    """What :func:`quantize` would do with each layer Keras can quantize.
+
+    Args:
+        model: a built Keras model (trained under an adaptive policy for the
+            evidence; without one only ``keep`` keeps layers in float).
+        mode: one of :data:`MODES`.
+        keep: layer names, paths or regexes (full match) to keep in float.
+
+    Returns:
+        Layer path -> ``"quantize"`` or the reason it stays in float:
+        ``"promoted"`` (adaptive training widened its dtype), ``"sensitive"``
+        (the float32 probe flagged it), ``"keep"`` (in ``keep``).
+
+    Example:
+        >>> import keras, keras_mp
+        >>> keras_mp.set_global_policy("adaptive_bfloat16")
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+        ...                           keras.layers.Dense(2, name="head")])
+        >>> keras_mp.set_global_policy("float32")
+        >>> policy = keras_mp.policies.policy_of(model)
+        >>> policy.record(model.layers[0].path)["history"] = [
+        ...     {"step": 3, "old": "bfloat16", "new": "float32", "reason": "overflow"}]
+        >>> sorted(keras_mp.quantization.plan(model, "int8", keep=["head"]).values())
+        ['keep', 'promoted']
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
+                        f"{type(model).__name__}.")
+    _check_mode(mode)
+    keep = _check_keep(keep)
+    policy = policy_of(model)
+    out: dict[str, str] = {}
+    for layer in model._flatten_layers(include_self=False):
+        if not _supported(layer) or layer.path in out:
+            continue
+        record: dict[str, Any] = {}
+        if policy is not None and isinstance(layer._dtype_policy, AdaptivePolicy):
+            record = policy.record(layer.path)
+        if _matches(layer, keep):
+            out[layer.path] = "keep"
+        elif _promoted(record):
+            out[layer.path] = "promoted"
+        elif (record.get("probe") or {}).get("sensitive"):
+            out[layer.path] = "sensitive"
+        else:
+            out[layer.path] = "quantize"
+    return out
+
+
+def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = (),
+             config: Any = None) -> dict[str, str]:
+    """Quantizes, in place, the layers adaptive training found robust.
+
+    Keeps in float the layers :func:`plan` gives a reason for (promoted
+    during adaptive training, flagged sensitive by the float32 probe, or in
+    ``keep``) and hands the others to Keras's ``model.quantize`` (through
+    its ``filters``), so the result is a plain Keras quantized model: it
+    saves to ``.keras``, reloads with ``keras.saving.load_model`` and
+    exports like any other.
+
+    Args:
+        model: a built Keras model.
+        mode: one of :data:`MODES` (``"int8"``, ``"float8"``, ``"int4"``; gptq
+            and awq need ``config``).
+        keep: layer names, paths or regexes (full match) to keep in float.
+        config: a ``keras.quantizers.QuantizationConfig`` for ``mode``, passed
+            on to Keras.
+
+    Keras refuses int8 on a layer that computes in float16 (an
+    ``adaptive_float16`` layer that was never promoted): in int8 mode such a
+    layer is quantized from float32 (``int8_from_float32``).
+
+    Returns:
+        The plan that was applied (see :func:`plan`).
+
+    Raises:
+        ValueError: ``mode`` is not a Keras mode, or gptq/awq without ``config``.
+    """
+    decisions = plan(model, mode, keep=keep)
+    if mode not in _DATA_FREE and config is None:
+        raise ValueError(f"`mode`={mode!r} needs `config` (a keras.quantizers config with "
+                         "calibration data); data-free modes: " + ", ".join(_DATA_FREE) + ".")
+    chosen = {path for path, what in decisions.items() if what == "quantize"}
+    if mode == "int8":
+        # Keras refuses int8 on a float16-computing layer: quantize those from float32.
+        for layer in model._flatten_layers(include_self=False):
+            if layer.path in chosen and layer.compute_dtype == "float16":
+                _compute_in_float32(layer)
+    if chosen:
+        model.quantize(mode, config=config,
+                       filters=lambda layer: layer.path in chosen)
+    return decisions
