@@ -48,10 +48,12 @@ the next interval re-checks):
    exceeds ``max_probe_loss_error`` or a layer's gradient error exceeds
    ``max_probe_grad_error`` (each counting only where it also exceeds
    ``max_probe_noise_ratio`` times the batch's sampling noise), the
-   *output-most* narrow layer whose gradient error exceeds ``hysteresis`` times
-   those thresholds (else the output-most narrow layer with gradients) is
-   promoted (``probe_error``): rounding errors enter the backward pass at the
-   output and reach every layer below it. The next probe re-checks.
+   *output-most* narrow layer with gradients is promoted (``probe_error``):
+   rounding that moves the loss enters the backward pass at the output and
+   reaches every layer below it (their relative errors are no guide: the
+   output layer's own gradient often shows the smallest). If only gradients
+   are off, the output-most narrow layer among them is promoted. The next
+   probe re-checks.
 
 Never oscillating: a switch starts a ``cooldown`` of intervals without
 demotion; a layer with ``max_strikes`` strikes (promotions and failed trials)
@@ -496,11 +498,14 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
     elif probe_steps > 0 and not switches and _probe_bad(stats, probe_loss_error,
                                                          probe_loss_noise_ratio, rule):
         narrow = [i for i in measured if can_widen(i) and stats[i].probe_steps]
-        above = [i for i in narrow if _grad_bad(stats[i], rule, rule.hysteresis)]
-        target_i = (above or narrow or [None])[-1]
-        if target_i is not None:
-            troubled.add(target_i)
-            promote(target_i, "probe_error")
+        if not _probe_bad([], probe_loss_error, probe_loss_noise_ratio, rule):
+            # The loss is fine but some gradients are not: the output-most of those.
+            narrow = [i for i in narrow if _grad_bad(stats[i], rule)]
+        # Otherwise the output-most narrow layer: rounding that moves the loss
+        # enters the backward pass at the output and reaches every layer below.
+        if narrow:
+            troubled.add(narrow[-1])
+            promote(narrow[-1], "probe_error")
     # 4. demotion (and the health counters)
     switched = {sw.layer for sw in switches}
     trial_open = any(st.trial for st in new)

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from keras_mp.controller import (DecisionRule, LayerState, LayerStats, decide,
+from keras_mp.controller import (DecisionRule, LayerState, LayerStats, Switch, decide,
                                  sort_candidates)
 
 F16 = ("float16", "float32")
@@ -172,3 +172,98 @@ def test_rule_validation(kwargs, name):
 def test_rule_config_round_trip():
     rule = DecisionRule(patience=3, hysteresis=0.25)
     assert DecisionRule.from_config(rule.get_config()) == rule
+
+
+# -- forward statistics and the probe ------------------------------------------
+
+B16 = BF16
+
+
+def _fwd(**kw):
+    return LayerStats(steps=10, forward_steps=10, **kw)
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("in_range", 1.0, "input_range"), ("out_nonfinite", 0.5, "output_nonfinite"),
+    ("out_near_max", 0.3, "output_near_max")])
+def test_forward_trouble_promotes_the_input_most_layer(field, value, reason):
+    # Every later layer sees the damage too: only the first is promoted.
+    stats = [_fwd(), _fwd(**{field: value}), _fwd(in_range=1.0, out_nonfinite=1.0)]
+    d = decide(stats, [LayerState("float16")] * 3, F16)
+    assert [(sw.layer, sw.reason) for sw in d.switches] == [(1, reason)]
+    assert [s.healthy for s in d.states] == [1, 0, 0]  # the damaged ones are not healthy
+
+
+def test_weightless_layers_are_decided_on_forward_statistics_alone():
+    weightless = LayerStats(steps=10, gradients=False, forward_steps=10, in_range=1.0,
+                            nonfinite=1.0)  # gradient fields are not measured: ignored
+    d = decide([_fwd(), weightless], [LayerState("float16")] * 2, F16)
+    assert [(sw.layer, sw.reason) for sw in d.switches] == [(1, "input_range")]
+
+
+def test_nonfinite_everywhere_heuristic_only_without_forward_evidence():
+    d = decide([BAD, BAD], [LayerState("float16")] * 2, F16, all_nonfinite=1.0)
+    assert d.switches[0] == Switch(0, "float16", "float32", "nonfinite_everywhere")
+    # A clean forward pass says the overflow was in the backward pass: output-most.
+    clean = dataclasses.replace(BAD, forward_steps=10)
+    d = decide([clean, clean], [LayerState("float16")] * 2, F16, all_nonfinite=1.0)
+    assert d.switches[0] == Switch(1, "float16", "float32", "nonfinite")
+
+
+def test_flushed_outputs_promote_a_narrow_layer():
+    d = decide([_fwd(out_flushed=0.6), _fwd(out_flushed=0.6)],
+               [LayerState("bfloat16"), LayerState("float32")], B16)
+    assert [(sw.layer, sw.reason) for sw in d.switches] == [(0, "output_flushed")]
+
+
+def _probed(grad_error=0.01, ratio=0.1, **kw):
+    return LayerStats(steps=10, forward_steps=10, probe_steps=1, grad_error=grad_error,
+                      grad_noise_ratio=ratio, **kw)
+
+
+def test_probe_loss_error_promotes_the_output_most_narrow_layer():
+    stats = [_probed(0.6, 0.8), _probed(0.3, 0.8), _probed(0.2, 0.6)]
+    states = [LayerState("bfloat16")] * 3
+    d = decide(stats, states, B16, probe_steps=1, probe_loss_error=0.9,
+               probe_loss_noise_ratio=17.0)
+    assert [(sw.layer, sw.reason) for sw in d.switches] == [(2, "probe_error")]
+    # Below the batch's sampling noise the same relative error changes nothing.
+    d = decide(stats, states, B16, probe_steps=1, probe_loss_error=0.9,
+               probe_loss_noise_ratio=0.5)
+    assert d.switches == ()
+    # Only a gradient off (and above its noise): the output-most of those.
+    stats = [_probed(0.9, 3.0), _probed(0.9, 2.0), _probed(0.9, 0.2)]
+    d = decide(stats, states, B16, probe_steps=1, probe_loss_error=0.01,
+               probe_loss_noise_ratio=0.1)
+    assert [(sw.layer, sw.reason) for sw in d.switches] == [(1, "probe_error")]
+
+
+def test_demotion_waits_for_a_probe_and_one_trial_at_a_time():
+    rule = DecisionRule(patience=1, cooldown=0)
+    st = [LayerState("float32"), LayerState("float32")]
+    d = decide([HEALTHY, HEALTHY], st, B16, rule, validate_demotions=True)
+    assert d.switches == () and [s.trial for s in d.states] == [1, 0]
+    # no probe in the interval: the trial waits
+    d = decide([HEALTHY, HEALTHY], d.states, B16, rule, validate_demotions=True)
+    assert d.switches == () and [s.trial for s in d.states] == [1, 0]
+    # a clean probe with the layer narrowed: demoted, validated
+    d = decide([_probed(), _probed()], d.states, B16, rule, probe_steps=1,
+               probe_loss_error=0.001, probe_loss_noise_ratio=0.1, validate_demotions=True)
+    assert [(sw.layer, sw.reason) for sw in d.switches] == [(0, "probe_validated")]
+    assert d.states[0].dtype == "bfloat16" and d.states[1].trial == 1  # the next trial
+
+
+def test_a_failed_trial_is_a_strike_and_no_demotion():
+    rule = DecisionRule(patience=1, cooldown=0)
+    st = [LayerState("float32", trial=1)]
+    d = decide([_probed(0.9, 5.0)], st, B16, rule, probe_steps=1, probe_loss_error=0.5,
+               probe_loss_noise_ratio=5.0, validate_demotions=True)
+    assert d.switches == ()
+    assert (d.states[0].dtype, d.states[0].trial, d.states[0].strikes) == ("float32", 0, 1)
+
+
+def test_forward_range_blocks_a_demotion_to_float16():
+    rule = DecisionRule(patience=1, cooldown=0)
+    big = _fwd(in_amax=5e4)  # fits float32; within 16x of float16's largest value
+    d = decide([big, _fwd(in_amax=10.0)], [LayerState("float32")] * 2, F16, rule)
+    assert [sw.layer for sw in d.switches] == [1]
