@@ -6,8 +6,8 @@ for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
 """
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
-from keras_mp import (callbacks, controller, device, distribute, kernels, layers, loss_scale,
-                      ops, policies, report, stats, xla)
+from keras_mp import (callbacks, controller, device, distribute, execution, kernels, layers,
+                      loss_scale, ops, policies, report, stats, xla)
 from keras_mp.distribute import patch_multi_worker
 from keras_mp.fuse import fuse
 from keras_mp.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
@@ -35,6 +35,7 @@ __all__ = [
     "controller",
     "device",
     "distribute",
+    "execution",
     "fuse",
     "global_policy",
     "kernels",

@@ -55,7 +55,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from keras_mp import controller, policies
+from keras_mp import controller, execution, policies
 from keras_mp import loss_scale as loss_scale_lib  # `loss_scale` is an argument below
 from keras_mp.optimizer import LossScaleOptimizer
 from keras_mp.stats import IntervalStats, LayerStatistics
@@ -244,6 +244,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             # them for on_epoch_begin to adopt.
             self._state.write(self._states(), policy.candidates, self._calls)
         optimizer = self._wrap_optimizer(model)
+        execution.configure(model)  # XLA or graph: the faster measured here
         self._stats.scale_floor = _scale_floor(optimizer.schedule)
         optimizer.statistics_sink = self._stats.accumulate
         if optimizer is not getattr(self, "_optimizer", None) or model.train_function is None:
