@@ -27,6 +27,7 @@ from typing import Any
 __all__ = [
     "time_steps",
     "side_by_side",
+    "interleaved_clocks",
     "format_ratio_table",
     "peak_rss_mb",
     "sync",
@@ -137,6 +138,58 @@ def side_by_side(variants: Mapping[str, Callable[[], Any]], steps: int = 10,
                "samples": s}
         for name, s in samples.items()
     }
+
+
+def _stats(samples: Sequence[float]) -> dict[str, Any]:
+    return {"median": statistics.median(samples), "spread": max(samples) - min(samples),
+            "min": min(samples), "max": max(samples), "samples": list(samples)}
+
+
+def interleaved_clocks(variants: Mapping[str, Callable[[], Any]], rounds: int = 5,
+                       warmup: int = 1, per_call: int = 1) -> dict[str, dict[str, Any]]:
+    """Times variants in interleaved rounds by process CPU time and wall time.
+
+    Each round calls every variant once, in order (A, B, C, A, B, C, ...).
+    Process CPU time (all threads of this process) is what other processes on
+    a shared machine disturb least; wall time is what a user waits for. Both
+    are reported.
+
+    Args:
+        variants: name -> callable with no arguments that runs ``per_call``
+            steps and waits for them (e.g. one ``model.fit`` epoch).
+        rounds: timed rounds (>= 1).
+        warmup: untimed calls of each variant first (>= 0; tracing, XLA
+            compilation).
+        per_call: steps one call runs (>= 1); figures are per step.
+
+    Returns:
+        name -> ``{"cpu": stats, "wall": stats}``, each stats a dict with
+        ``median``, ``spread`` (max - min), ``min``, ``max`` and ``samples``,
+        in seconds per step.
+
+    Example:
+        >>> r = interleaved_clocks({"a": lambda: sum(range(1000))}, rounds=3, warmup=0)
+        >>> sorted(r["a"]), len(r["a"]["cpu"]["samples"])
+        (['cpu', 'wall'], 3)
+    """
+    if not variants:
+        raise ValueError("`variants` must name at least one callable.")
+    for name, value, low in (("rounds", rounds, 1), ("warmup", warmup, 0),
+                             ("per_call", per_call, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+    for fn in variants.values():
+        for _ in range(warmup):
+            sync(fn())
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            c0, w0 = time.process_time(), time.perf_counter()
+            sync(fn())
+            wall[name].append((time.perf_counter() - w0) / per_call)
+            cpu[name].append((time.process_time() - c0) / per_call)
+    return {name: {"cpu": _stats(cpu[name]), "wall": _stats(wall[name])} for name in variants}
 
 
 def format_ratio_table(rows: Sequence[Mapping[str, Any]], baseline: str | None = None) -> str:

@@ -5,7 +5,7 @@ Run from the repository root::
 
     python -m benchmarks.transformer_step [--quick] [--no-memory]
 
-The model is the one of ``../shared/anchors/keras_step_time.py``: d=512,
+The model (the transformer of ``keras-mp bench``, full size): d=512,
 T=128, batch 32, 8-head ``MultiHeadAttention``, post-norm residual blocks,
 GELU MLP of width 2048, a float32 10-way head; Adam and sparse categorical
 cross-entropy; ``jit_compile=False`` (Keras's choice on CPU). The three
