@@ -69,7 +69,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _execution_lines(device_type: str) -> list[str]:
-    from keras_mp import execution
+    from keras_mp import device, execution
 
     ex = execution.profile(device_type)
     lines = ["", "Measured train step, TF graph vs XLA (median per step; process CPU / wall):"]

@@ -10,9 +10,9 @@ oneDNN kernels do. So the choice is measured, once per process and device:
 * a whole train step (dense -> gelu -> layer norm -> dense, gradients, SGD
   update, float32 variables with the compute cast to the dtype, as Keras
   mixed precision does) timed as a TensorFlow graph and under XLA, for
-  float32 and for each low-precision dtype this device runs fast
-  (:func:`keras_mp.device.fast_dtypes`), in interleaved rounds, by process
-  CPU time and by wall time;
+  float32 and the low-precision dtype the ``"adaptive"`` policy uses here
+  (:func:`keras_mp.device.default_candidates`), in interleaved rounds, by
+  process CPU time and by wall time;
 * a matmul in the same dtypes, graph and XLA, which decides where the fused
   layers' matmuls run (:func:`keras_mp.xla.uses_xla` ``("matmul")``).
 
@@ -221,7 +221,9 @@ def profile(device_type: str | None = None, *, refresh: bool = False, batch: int
     with _lock:
         if not refresh and device_type in _cache:
             return _cache[device_type]
-    dtypes = ("float32", *device.fast_dtypes(device_type))
+    # The dtypes "adaptive" computes in here (a "fast" float16 matmul can still
+    # sit in a step of emulated float16 elementwise ops, seconds per step).
+    dtypes = tuple(dict.fromkeys(("float32", *device.default_candidates(device_type))))
     available = xla.xla_available(device_type)
     step, matmul = _measure(device_type, dtypes, available, batch, width, rounds)
     result = ExecutionProfile(device_type, available, step, matmul)

@@ -20,11 +20,12 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp import (callbacks, controller, datasets, device, distribute, kernels, layers,
-                      loss_scale, ops, optimizer, policies, report, stats, tuning, xla)
+from keras_mp import (callbacks, controller, datasets, device, distribute, execution, kernels,
+                      layers, loss_scale, ops, optimizer, policies, report, stats, tuning, xla)
 from keras_mp.fuse import fuse as fuse_model
 
-MODULES = ["callbacks", "cli", "controller", "datasets", "demo", "device", "distribute", "fuse",
+MODULES = ["callbacks", "cli", "controller", "datasets", "demo", "device", "distribute",
+           "execution", "fuse",
            "kernels", "layers", "loss_scale", "ops", "optimizer", "policies", "report", "stats",
            "tuning", "xla"]
 
@@ -42,6 +43,7 @@ RECORDS = {
     "controller.Switch", "controller.Decision", "controller.LayerStats",
     "datasets.Loaded", "demo.DemoResult", "device.DeviceProfile", "kernels.GradientStatistics",
     "report.PrecisionReport", "stats.IntervalStats", "xla.Kind",
+    "execution.ExecutionProfile",
 }
 
 SGD = keras.optimizers.SGD
@@ -241,6 +243,16 @@ CASES = [
     ("xla.uses_xla", lambda: xla.uses_xla("conv"), ValueError, "`kind`"),
     ("xla.jit", lambda: xla.jit("conv"), ValueError, "`kind`"),
     ("xla.xla_available", lambda: xla.xla_available("QPU"), ValueError, "`device_type`"),
+    ("xla.set_measured_default", lambda: xla.set_measured_default("conv", "CPU", True),
+     ValueError, "`kind`"),
+    ("xla.set_measured_default", lambda: xla.set_measured_default("matmul", "CPU", 1),
+     TypeError, "`enabled`"),
+    # execution
+    ("execution.profile", lambda: execution.profile("QPU"), ValueError, "`device_type`"),
+    ("execution.profile", lambda: execution.profile(rounds=0), ValueError, "`rounds`"),
+    ("execution.choose", lambda: execution.choose(["int8"]), ValueError, "`dtypes`"),
+    ("execution.configure", lambda: execution.configure(3), TypeError, "`model`"),
+    ("execution.configure", lambda: execution.configure(_model()), ValueError, "`model`"),
 ]
 
 
