@@ -72,7 +72,7 @@ MODES: tuple[str, ...] = ("auto", "xla", "graph", "keep")
 #: The environment variable that overrides ``auto``.
 ENV_VAR = "KERAS_MP_EXECUTION"
 #: XLA must be at least this much faster (by CPU time and by wall time).
-MARGIN = 1.03
+MARGIN = 1.05
 
 _ATTR = "_keras_mp_execution"
 _cache: dict[str, ExecutionProfile] = {}
