@@ -157,6 +157,15 @@ def _make_variant(variant: str, build: Callable[[], Any], data, steps: int):
     return train, state
 
 
+def _dtype_counts(model) -> dict[str, int]:
+    """Layers with weights per compute dtype (what the variant really ran)."""
+    counts: dict[str, int] = {}
+    for layer in model._flatten_layers(include_self=False):
+        if layer.weights:
+            counts[layer.compute_dtype] = counts.get(layer.compute_dtype, 0) + 1
+    return counts
+
+
 def _machine(prof, exec_prof) -> dict[str, Any]:
     import keras
     import tensorflow as tf
@@ -232,7 +241,8 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
         reason}}, "tables": {model: markdown}}``; each variant has ``cpu`` and
         ``wall`` (``median``, ``spread``, ``min``, ``max``, ``samples``, s per
         step), ``vs_float32`` and ``vs_best_keras`` (``{"cpu": x, "wall": x}``),
-        ``final_loss``, ``gpu_peak_mib`` (None off GPU) and, for keras_mp,
+        ``final_loss``, ``gpu_peak_mib`` (None off GPU), ``compute_dtypes``
+        (layers with weights per compute dtype at the end) and, for keras_mp,
         ``mode`` (``"xla"`` or ``"graph"``, as :mod:`keras_mp.execution`
         chose).
     """
@@ -324,7 +334,8 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
             entries[v] = {**timings[v], "final_loss": state.get("loss"),
                           "gpu_peak_mib": _gpu_peak_mib(train),
                           "mode": ("xla" if model.jit_compile else "graph")
-                          if v == "keras_mp" else None}
+                          if v == "keras_mp" else None,
+                          "compute_dtypes": _dtype_counts(model)}
         for clock in ("cpu", "wall"):
             best = _best(entries, clock)
             for e in entries.values():

@@ -285,6 +285,7 @@ def _graph_only_reason(model: keras.Model) -> str | None:
 @dataclasses.dataclass
 class _State:
     mode: str
+    strict: bool = True  # mode="xla" from the argument: an error where XLA cannot be used
     chosen: str = "graph"
     fell_back: bool = False
     original: Callable[..., Any] | None = None
@@ -299,7 +300,7 @@ def _decide(model: keras.Model, state: _State) -> str:
     if state.mode == "graph":
         return "graph"
     if reason is not None:
-        if state.mode == "xla":
+        if state.mode == "xla" and state.strict:
             raise ValueError(f"`mode`='xla' cannot be used for this model: {reason}.")
         _log.info("keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
         return "graph"
@@ -407,7 +408,9 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
         TypeError: ``model`` is not a Keras model.
         ValueError: ``model`` is not compiled, ``mode`` (or the environment
             variable) is not one of :data:`MODES`, or ``mode="xla"`` for a
-            model that cannot use XLA (the message says why).
+            model that cannot use XLA (the message says why; the
+            environment variable set to ``xla`` instead falls back to the
+            graph for such a model, with an info message).
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
@@ -426,6 +429,7 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
         setattr(model, _ATTR, state)
     elif state.mode != mode:
         state.mode, state.fell_back = mode, False
+    state.strict = source == "`mode`"
     before = model.jit_compile
     chosen = _decide(model, state)
     state.chosen = chosen

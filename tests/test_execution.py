@@ -106,13 +106,15 @@ def test_xla_compile_failure_falls_back_once_on_the_same_batch(caplog):
     assert model.jit_compile is False and model.optimizer.iterations.numpy() == 12
 
 
-def test_graph_only_features_say_why():
+def test_graph_only_features_say_why(monkeypatch):
     model = _model()
     model.compile(optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.Adam(),
                                                         max_consecutive_skips=3), loss="mse")
     assert execution.configure(model, mode="auto") == "graph"
     with pytest.raises(ValueError, match="max_consecutive_skips"):
         execution.configure(model, mode="xla")
+    monkeypatch.setenv(execution.ENV_VAR, "xla")  # a preference, not an error
+    assert execution.configure(model) == "graph"
 
 
 def test_adaptive_precision_applies_the_mode(monkeypatch):
