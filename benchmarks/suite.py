@@ -63,8 +63,8 @@ _SIZES: dict[str, dict[str, dict[str, int]]] = {
 # (steps per round, rounds)
 _SCHEDULE = {"full": (8, 7), "quick": (5, 5)}
 #: A variant whose one step on 8 rows (after tracing) is this many times
-#: slower than keras_float32's is reported from that step and not timed (on a CPU without
-#: float16 units Keras's mixed_float16 runs ~250x slower than float32).
+#: slower than keras_float32's is reported from that step and not timed
+#: (Keras's mixed_float16 on an AMX Xeon: 61-439x slower than float32).
 TOO_SLOW = 8.0
 
 
