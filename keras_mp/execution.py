@@ -286,6 +286,7 @@ def _graph_only_reason(model: keras.Model) -> str | None:
 class _State:
     mode: str
     strict: bool = True  # mode="xla" from the argument: an error where XLA cannot be used
+    explicit: bool = False  # mode from the argument: later configure(model) calls keep it
     chosen: str = "graph"
     fell_back: bool = False
     original: Callable[..., Any] | None = None
@@ -397,9 +398,12 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     Args:
         model: a compiled Keras model.
         mode: ``"auto"`` (measure: :func:`choose`), ``"xla"``, ``"graph"``
-            or ``"keep"`` (leave ``model.jit_compile`` as compiled); when
-            None, the ``KERAS_MP_EXECUTION`` environment variable, else
-            ``"auto"``.
+            or ``"keep"`` (leave ``model.jit_compile`` as compiled). When
+            None: the mode an earlier ``configure(model, mode=...)`` gave
+            this model (so the callback keeps a mode you chose), else the
+            ``KERAS_MP_EXECUTION`` environment variable, else ``"auto"``.
+            ``"auto"`` replaces the ``jit_compile`` given to ``compile``;
+            use ``"keep"`` to keep it.
 
     Returns:
         ``"xla"`` or ``"graph"``: the mode chosen now.
@@ -415,21 +419,27 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
     source = "`mode`"
-    if mode is None:
+    state = getattr(model, _ATTR, None)
+    if mode is None and state is not None and state.explicit:
+        mode = state.mode  # chosen by an earlier configure(model, mode=...): it sticks
+    elif mode is None:
         mode, source = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", ENV_VAR
     if mode not in MODES:
         raise ValueError(f"{source} must be one of {MODES}, got {mode!r}.")
     if not getattr(model, "compiled", False):
         raise ValueError("`model` must be compiled first: call model.compile(...), then "
                          "keras_mp.execution.configure(model).")
-    state = getattr(model, _ATTR, None)
+    if mode == "xla" and source == "`mode`":
+        reason = _graph_only_reason(model)
+        if reason is not None:  # before anything about the model changes
+            raise ValueError(f"`mode`='xla' cannot be used for this model: {reason}.")
     if state is None:
         state = _State(mode)
         _install(model, state)
         setattr(model, _ATTR, state)
     elif state.mode != mode:
         state.mode, state.fell_back = mode, False
-    state.strict = source == "`mode`"
+    state.strict = state.explicit = source == "`mode`"
     before = model.jit_compile
     chosen = _decide(model, state)
     state.chosen = chosen

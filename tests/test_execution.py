@@ -70,12 +70,14 @@ def test_configure_modes_and_env_override(monkeypatch):
     model.fit(x, y, batch_size=8, verbose=0)
     assert model.jit_compile is True and model.optimizer.iterations.numpy() == 4
     monkeypatch.setenv(execution.ENV_VAR, "graph")
-    assert execution.configure(model) == "graph" and model.jit_compile is False
+    assert execution.configure(model) == "xla"  # the mode given to configure sticks
+    fresh = _model()
+    assert execution.configure(fresh) == "graph" and fresh.jit_compile is False
     monkeypatch.setenv(execution.ENV_VAR, "fast")
     with pytest.raises(ValueError, match=execution.ENV_VAR):
-        execution.configure(model)
+        execution.configure(fresh)
     monkeypatch.delenv(execution.ENV_VAR)
-    assert execution.configure(model) == execution.choose({"float32"})
+    assert execution.configure(fresh) == execution.choose({"float32"})
     kept = _model()
     kept.compile(optimizer="adam", loss="mse", jit_compile=True)
     assert execution.configure(kept, mode="keep") == "xla" and kept.jit_compile is True
@@ -131,6 +133,12 @@ def test_adaptive_precision_applies_the_mode(monkeypatch):
         model.fit(x, y, batch_size=8, verbose=0,
                   callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=2)])
         assert model.jit_compile is False
+        # A mode given to configure sticks: the callback does not replace it.
+        execution.configure(model, mode="keep")
+        model.compile(optimizer="adam", loss="mse", jit_compile=True)
+        model.fit(x, y, batch_size=8, verbose=0,
+                  callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=2)])
+        assert model.jit_compile is True
     finally:
         keras_mp.set_global_policy("float32")
 
