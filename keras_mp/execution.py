@@ -289,21 +289,22 @@ class _State:
     explicit: bool = False  # mode from the argument: later configure(model) calls keep it
     chosen: str = "graph"
     fell_back: bool = False
+    told: bool = False
     original: Callable[..., Any] | None = None
 
 
 def _decide(model: keras.Model, state: _State) -> str:
     if state.mode == "keep":
         return "xla" if model.jit_compile else "graph"
+    if state.fell_back or state.mode == "graph":
+        return "graph"
     reason = _graph_only_reason(model)
-    if state.fell_back:
-        return "graph"
-    if state.mode == "graph":
-        return "graph"
     if reason is not None:
         if state.mode == "xla" and state.strict:
             raise ValueError(f"`mode`='xla' cannot be used for this model: {reason}.")
-        _log.info("keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
+        if not state.told:  # one message per model, not one per rebuild
+            _log.info("keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
+            state.told = True
         return "graph"
     if state.mode == "xla":
         return "xla"
