@@ -16,8 +16,9 @@ the best Keras variant, per model, by process CPU time and wall time, beside
 the targets of issue 14 (Transformer >= 3x float32 and >= 1.5x
 ``mixed_bfloat16``; every model >= 1.0x the best Keras one-liner).
 
-Budget: under 5 minutes on one recent GPU (most of it XLA compilation);
-``--quick`` uses the small shapes.
+Sized to finish within 5 minutes on one recent GPU (most of it XLA
+compilation); not yet run on one, since no GPU was available to this work.
+``--quick`` uses the smaller shapes.
 """
 
 from __future__ import annotations
