@@ -102,7 +102,7 @@ def run(quick: bool = False, layers: int = 4, width: int = 512, batch: int = 512
         variants[name] = step
     policies.set_global_policy("float32")
 
-    steps, repeats = (10, 3) if quick else (20, 15)
+    steps, repeats = (10, 5) if quick else (20, 15)
     timings = side_by_side(variants, steps=steps, warmup=3, repeats=repeats)
     cpu = _cpu_time_per_step(variants, steps=steps, repeats=repeats)
     model, cb = adaptive["adaptive"]

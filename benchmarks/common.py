@@ -114,7 +114,10 @@ def side_by_side(variants: Mapping[str, Callable[[], Any]], steps: int = 10,
         steps, warmup, repeats: as for :func:`time_steps`.
 
     Returns:
-        name -> the :func:`time_steps` dict of that variant.
+        name -> the :func:`time_steps` dict of that variant (wall seconds per
+        call), plus ``cpu_median``, ``cpu_spread`` and ``cpu_samples``: the
+        same in process CPU seconds, which other processes on a shared
+        machine disturb less.
 
     Example:
         >>> r = side_by_side({"a": lambda: 1, "b": lambda: 2}, steps=1, warmup=0, repeats=2)
@@ -129,13 +132,17 @@ def side_by_side(variants: Mapping[str, Callable[[], Any]], steps: int = 10,
         if warmup:
             sync(result)
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, fn in variants.items():
+            c0 = time.process_time()
             samples[name].extend(
                 time_steps(fn, steps=steps, warmup=0, repeats=1)["samples"])
+            cpu[name].append((time.process_time() - c0) / steps)
     return {
         name: {"median": statistics.median(s), "spread": max(s) - min(s), "min": min(s),
-               "samples": s}
+               "samples": s, "cpu_median": statistics.median(cpu[name]),
+               "cpu_spread": max(cpu[name]) - min(cpu[name]), "cpu_samples": cpu[name]}
         for name, s in samples.items()
     }
 
@@ -220,14 +227,24 @@ def format_ratio_table(rows: Sequence[Mapping[str, Any]], baseline: str | None =
     base_name = names[0] if baseline is None else baseline
     if base_name not in names:
         raise ValueError(f"`baseline` must be one of {names}, got {baseline!r}.")
-    base = next(r for r in rows if r["name"] == base_name)["median"]
-    extra = [k for k in rows[0] if k not in ("name", "median", "spread", "min", "samples")]
-    header = ["variant", "median ms", "spread ms", f"speed-up vs {base_name}", *extra]
+    base_row = next(r for r in rows if r["name"] == base_name)
+    base = base_row["median"]
+    with_cpu = all("cpu_median" in r for r in rows)
+    extra = [k for k in rows[0] if k not in ("name", "median", "spread", "min", "max", "samples")
+             and not k.startswith("cpu_")]
+    header = ["variant", "median ms", "spread ms", f"speed-up vs {base_name}"]
+    if with_cpu:
+        header += ["CPU median ms", "CPU spread ms", "CPU speed-up"]
+    header += extra
     lines = ["| " + " | ".join(header) + " |",
-             "| --- | ---: | ---: | ---: |" + " ---: |" * len(extra)]
+             "| --- |" + " ---: |" * (len(header) - 1)]
     for r in rows:
         cells = [str(r["name"]), f"{r['median'] * 1e3:.3f}", f"{r['spread'] * 1e3:.3f}",
                  f"{base / r['median']:.2f}x" if r["median"] > 0 else "inf"]
+        if with_cpu:
+            cells += [f"{r['cpu_median'] * 1e3:.3f}", f"{r['cpu_spread'] * 1e3:.3f}",
+                      f"{base_row['cpu_median'] / r['cpu_median']:.2f}x"
+                      if r["cpu_median"] > 0 else "inf"]
         cells += [_cell(r.get(k)) for k in extra]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
