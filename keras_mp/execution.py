@@ -4,7 +4,7 @@ Whether XLA (``model.compile(jit_compile=True)``) speeds a train step up
 depends on the machine and the compute dtype. On a 2-core AVX2 AMD EPYC,
 XLA made a float32 Keras step 1.12-1.26x faster (it fuses the elementwise
 work around the matmuls); on a Xeon with AMX-BF16 it makes a bfloat16 step
-several times slower, because XLA:CPU does not use AMX while TensorFlow's
+up to 4x slower (a small CNN), because XLA:CPU does not use AMX while TensorFlow's
 oneDNN kernels do. So the choice is measured, once per process and device:
 
 * a whole train step (dense -> gelu -> layer norm -> dense, gradients, SGD
