@@ -108,6 +108,15 @@ def test_xla_compile_failure_falls_back_once_on_the_same_batch(caplog):
     assert model.jit_compile is False and model.optimizer.iterations.numpy() == 12
 
 
+def test_fallback_with_several_steps_per_execution():
+    x, y = _data()
+    model = _model(_NumpyDouble())
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=3)
+    execution.configure(model, mode="xla")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # 4 batches: 3 + 1
+    assert model.optimizer.iterations.numpy() == 4 and model.jit_compile is False
+
+
 def test_graph_only_features_say_why(monkeypatch):
     model = _model()
     model.compile(optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.Adam(),
