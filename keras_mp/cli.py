@@ -62,8 +62,8 @@ def _info(args: argparse.Namespace) -> int:
     lines += ["", f"Fast low-precision dtypes here: {fast}",
               f"'adaptive' would choose among: {', '.join(device.default_candidates())}"]
     lines += _execution_lines(prof.device_type)
-    lines.append(f"XLA for fused elementwise work: {keras_mp.uses_xla('elementwise')}; for "
-                 f"fused layers' matmuls: {keras_mp.uses_xla('matmul')}")
+    lines.append(f"XLA for fused elementwise work now: {keras_mp.uses_xla('elementwise')}; "
+                 f"for fused layers' matmuls now: {keras_mp.uses_xla('matmul')}")
     print("\n".join(lines))
     return 0
 
@@ -92,6 +92,10 @@ def _execution_lines(device_type: str) -> list[str]:
                  f"{execution.choose(cands, device_type)}"
                  + (f" (but {execution.ENV_VAR}={override} overrides it)" if override else
                     f" (override: {execution.ENV_VAR}=xla|graph|keep)"))
+    if cands[0] in ex.matmul and "xla" in ex.matmul[cands[0]]:
+        lines.append(f"Fused layers' {cands[0]} matmuls, as measured: "
+                     f"{'XLA' if ex.matmul_xla_wins(cands[0]) else 'TensorFlow graph'} "
+                     "(applied by keras_mp.execution.configure)")
     return lines
 
 
