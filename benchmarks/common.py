@@ -27,6 +27,7 @@ from typing import Any
 __all__ = [
     "time_steps",
     "side_by_side",
+    "interleaved_clocks",
     "format_ratio_table",
     "peak_rss_mb",
     "sync",
@@ -113,7 +114,10 @@ def side_by_side(variants: Mapping[str, Callable[[], Any]], steps: int = 10,
         steps, warmup, repeats: as for :func:`time_steps`.
 
     Returns:
-        name -> the :func:`time_steps` dict of that variant.
+        name -> the :func:`time_steps` dict of that variant (wall seconds per
+        call), plus ``cpu_median``, ``cpu_spread`` and ``cpu_samples``: the
+        same in process CPU seconds, which other processes on a shared
+        machine disturb less.
 
     Example:
         >>> r = side_by_side({"a": lambda: 1, "b": lambda: 2}, steps=1, warmup=0, repeats=2)
@@ -128,15 +132,71 @@ def side_by_side(variants: Mapping[str, Callable[[], Any]], steps: int = 10,
         if warmup:
             sync(result)
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, fn in variants.items():
+            c0 = time.process_time()
             samples[name].extend(
                 time_steps(fn, steps=steps, warmup=0, repeats=1)["samples"])
+            cpu[name].append((time.process_time() - c0) / steps)
     return {
         name: {"median": statistics.median(s), "spread": max(s) - min(s), "min": min(s),
-               "samples": s}
+               "samples": s, "cpu_median": statistics.median(cpu[name]),
+               "cpu_spread": max(cpu[name]) - min(cpu[name]), "cpu_samples": cpu[name]}
         for name, s in samples.items()
     }
+
+
+def _stats(samples: Sequence[float]) -> dict[str, Any]:
+    return {"median": statistics.median(samples), "spread": max(samples) - min(samples),
+            "min": min(samples), "max": max(samples), "samples": list(samples)}
+
+
+def interleaved_clocks(variants: Mapping[str, Callable[[], Any]], rounds: int = 5,
+                       warmup: int = 1, per_call: int = 1) -> dict[str, dict[str, Any]]:
+    """Times variants in interleaved rounds by process CPU time and wall time.
+
+    Each round calls every variant once, in order (A, B, C, A, B, C, ...).
+    Process CPU time (all threads of this process) is what other processes on
+    a shared machine disturb least; wall time is what a user waits for. Both
+    are reported.
+
+    Args:
+        variants: name -> callable with no arguments that runs ``per_call``
+            steps and waits for them (e.g. one ``model.fit`` epoch).
+        rounds: timed rounds (>= 1).
+        warmup: untimed calls of each variant first (>= 0; tracing, XLA
+            compilation).
+        per_call: steps one call runs (>= 1); figures are per step.
+
+    Returns:
+        name -> ``{"cpu": stats, "wall": stats}``, each stats a dict with
+        ``median``, ``spread`` (max - min), ``min``, ``max`` and ``samples``,
+        in seconds per step.
+
+    Example:
+        >>> r = interleaved_clocks({"a": lambda: sum(range(1000))}, rounds=3, warmup=0)
+        >>> sorted(r["a"]), len(r["a"]["cpu"]["samples"])
+        (['cpu', 'wall'], 3)
+    """
+    if not variants:
+        raise ValueError("`variants` must name at least one callable.")
+    for name, value, low in (("rounds", rounds, 1), ("warmup", warmup, 0),
+                             ("per_call", per_call, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+    for fn in variants.values():
+        for _ in range(warmup):
+            sync(fn())
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            c0, w0 = time.process_time(), time.perf_counter()
+            sync(fn())
+            wall[name].append((time.perf_counter() - w0) / per_call)
+            cpu[name].append((time.process_time() - c0) / per_call)
+    return {name: {"cpu": _stats(cpu[name]), "wall": _stats(wall[name])} for name in variants}
 
 
 def format_ratio_table(rows: Sequence[Mapping[str, Any]], baseline: str | None = None) -> str:
@@ -167,14 +227,24 @@ def format_ratio_table(rows: Sequence[Mapping[str, Any]], baseline: str | None =
     base_name = names[0] if baseline is None else baseline
     if base_name not in names:
         raise ValueError(f"`baseline` must be one of {names}, got {baseline!r}.")
-    base = next(r for r in rows if r["name"] == base_name)["median"]
-    extra = [k for k in rows[0] if k not in ("name", "median", "spread", "min", "samples")]
-    header = ["variant", "median ms", "spread ms", f"speed-up vs {base_name}", *extra]
+    base_row = next(r for r in rows if r["name"] == base_name)
+    base = base_row["median"]
+    with_cpu = all("cpu_median" in r for r in rows)
+    extra = [k for k in rows[0] if k not in ("name", "median", "spread", "min", "max", "samples")
+             and not k.startswith("cpu_")]
+    header = ["variant", "median ms", "spread ms", f"speed-up vs {base_name}"]
+    if with_cpu:
+        header += ["CPU median ms", "CPU spread ms", "CPU speed-up"]
+    header += extra
     lines = ["| " + " | ".join(header) + " |",
-             "| --- | ---: | ---: | ---: |" + " ---: |" * len(extra)]
+             "| --- |" + " ---: |" * (len(header) - 1)]
     for r in rows:
         cells = [str(r["name"]), f"{r['median'] * 1e3:.3f}", f"{r['spread'] * 1e3:.3f}",
                  f"{base / r['median']:.2f}x" if r["median"] > 0 else "inf"]
+        if with_cpu:
+            cells += [f"{r['cpu_median'] * 1e3:.3f}", f"{r['cpu_spread'] * 1e3:.3f}",
+                      f"{base_row['cpu_median'] / r['cpu_median']:.2f}x"
+                      if r["cpu_median"] > 0 else "inf"]
         cells += [_cell(r.get(k)) for k in extra]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

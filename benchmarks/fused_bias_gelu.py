@@ -68,7 +68,7 @@ def run(quick: bool = False) -> dict:
     }
     variants = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in steps.items()}
     timings = side_by_side(variants, steps=3 if quick else 5, warmup=2,
-                           repeats=3 if quick else 7)
+                           repeats=5 if quick else 7)
     rows = [{"name": n, **t} for n, t in timings.items()]
     speedup = timings["tf_graph_bf16"]["median"] / timings["fused_bf16"]["median"]
     best = timings["tf_graph_bf16"]["min"] / timings["fused_bf16"]["min"]

@@ -54,7 +54,7 @@ def run(quick: bool = False, layers: int = 50, width: int = 64, batch: int = 64)
     n_vars = len(models["keras_mp"].trainable_variables)
     timings = side_by_side(
         {name: (lambda m=m: m.train_on_batch(x, y)) for name, m in models.items()},
-        steps=10 if quick else 50, warmup=3, repeats=3 if quick else 7)
+        steps=10 if quick else 50, warmup=3, repeats=5 if quick else 7)
     ratio = timings["keras_mp"]["median"] / timings["keras"]["median"]
     table = format_ratio_table([{"name": k, **v} for k, v in timings.items()],
                                baseline="keras")

@@ -67,7 +67,7 @@ def run(quick: bool = False) -> dict:
             variants[f"projection_{dtype}_{place}"] = lambda f=proj, a=xs, b=ws: f(a, b)
             variants[f"attention_{dtype}_{place}"] = lambda f=att, a=qs: f(a)
     timings = side_by_side(variants, steps=2 if quick else 3, warmup=2,
-                           repeats=3 if quick else 5)
+                           repeats=5 if quick else 5)
     ratios = {}
     for op in ("projection", "attention"):
         for dtype in ("float32", "bfloat16"):

@@ -61,7 +61,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from keras_mp import controller, policies
+from keras_mp import controller, execution, policies
 from keras_mp import loss_scale as loss_scale_lib  # `loss_scale` is an argument below
 from keras_mp import probe as probe_lib
 from keras_mp.hooks import Hooks
@@ -225,6 +225,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         # Nothing to adapt: nothing runs (the step is plain Keras float32).
         self._inert = len(policy.candidates) == 1
         if self._inert:
+            execution.configure(model)  # XLA or graph: the faster measured here
             return
         hooks = getattr(model, _HOOKS_ATTR, None)
         if not isinstance(hooks, Hooks) or [id(x) for x in hooks.layers] != \
@@ -242,6 +243,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             # them for on_epoch_begin to adopt.
             self._state.write(self._states(), policy.candidates, self._calls)
         optimizer = self._connect_optimizer(model)
+        execution.configure(model)  # XLA or graph: the faster measured here
         self._probe_fn = self._make_probe() if _is_keras_train_step(model) else None
         hooks.probe_fn = self._probe_fn
         # Custom loops (and later traces): statistics on every training call.

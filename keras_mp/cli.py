@@ -60,11 +60,43 @@ def _info(args: argparse.Namespace) -> int:
                      f"{native}")
     fast = ", ".join(prof.fast) or "none"
     lines += ["", f"Fast low-precision dtypes here: {fast}",
-              f"'adaptive' would choose among: {', '.join(device.default_candidates())}",
-              f"XLA for elementwise work: {keras_mp.uses_xla('elementwise')}; for matmuls: "
-              f"{keras_mp.uses_xla('matmul')}"]
+              f"'adaptive' would choose among: {', '.join(device.default_candidates())}"]
+    lines += _execution_lines(prof.device_type)
+    lines.append(f"XLA for fused elementwise work now: {keras_mp.uses_xla('elementwise')}; "
+                 f"for fused layers' matmuls now: {keras_mp.uses_xla('matmul')}")
     print("\n".join(lines))
     return 0
+
+
+def _execution_lines(device_type: str) -> list[str]:
+    from keras_mp import device, execution
+
+    ex = execution.profile(device_type)
+    lines = ["", "Measured train step, TF graph vs XLA (median per step; process CPU / wall):"]
+    if not ex.xla_available:
+        lines.append("  XLA does not run on this device: graph only")
+    for dtype, times in ex.step.items():
+        (gc, gw) = times["graph"]
+        if "xla" in times:
+            (xc, xw) = times["xla"]
+            lines.append(f"  {dtype:<9} graph {gc * 1e3:6.1f} / {gw * 1e3:6.1f} ms   XLA "
+                         f"{xc * 1e3:6.1f} / {xw * 1e3:6.1f} ms   XLA speed-up "
+                         f"{ex.xla_speedup(dtype):4.2f}x  -> {execution.choose([dtype])}")
+        mm = ex.matmul.get(dtype, {})
+        if "xla" in mm:
+            lines.append(f"  {'':<9} matmul {mm['graph']:7.1f} GFLOP/s graph, "
+                         f"{mm['xla']:7.1f} under XLA")
+    cands = device.default_candidates(device_type)
+    override = os.environ.get(execution.ENV_VAR)
+    lines.append(f"Train step under 'adaptive' ({', '.join(cands)}): "
+                 f"{execution.choose(cands, device_type)}"
+                 + (f" (but {execution.ENV_VAR}={override} overrides it)" if override else
+                    f" (override: {execution.ENV_VAR}=xla|graph|keep)"))
+    if cands[0] in ex.matmul and "xla" in ex.matmul[cands[0]]:
+        lines.append(f"Fused layers' {cands[0]} matmuls, as measured: "
+                     f"{'XLA' if ex.matmul_xla_wins(cands[0]) else 'TensorFlow graph'} "
+                     "(applied by keras_mp.execution.configure)")
+    return lines
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -77,7 +109,10 @@ def _bench(args: argparse.Namespace) -> int:
         from benchmarks import suite
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    suite.run(models=models, quick=args.quick, out=args.out)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] \
+        if args.variants else suite.VARIANTS
+    suite.run(models=models, quick=args.quick, out=args.out, rounds=args.rounds,
+              steps=args.steps, variants=variants)
     return 0
 
 
@@ -119,15 +154,31 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser(
         "info", help="what this machine runs fast and what 'adaptive' would choose",
         description="Prints the device, its low-precision CPU flags, a measured matmul "
-                    "micro-benchmark per dtype, and the dtypes the adaptive policy uses.")
+                    "micro-benchmark per dtype, the dtypes the adaptive policy uses, and a "
+                    "measured train step as a TF graph and under XLA per dtype, with the "
+                    "execution mode keras-mp picks from it.")
     info.set_defaults(func=_info)
 
     bench = sub.add_parser(
         "bench", help="plain Keras vs keras-mp, side by side",
-        description="Times training steps of plain Keras float32, mixed_bfloat16, "
-                    "mixed_float16 and keras-mp (adaptive, fused) in one process; prints "
-                    "ratios, peak memory and final loss; writes bench.json and bench.png.")
-    bench.add_argument("--quick", action="store_true", help="small shapes, few steps")
+        description="Times training steps of keras-mp's recommended set-up (adaptive, "
+                    "fused, AdaptivePrecision) and of every Keras one-liner (float32, "
+                    "mixed_bfloat16, mixed_float16, each with and without XLA) in one "
+                    "process, in interleaved rounds, by process CPU time and wall time; "
+                    "prints medians, spreads and ratios against Keras float32 and the best "
+                    "Keras variant; writes bench.json and bench.png.")
+    bench.add_argument("--quick", action="store_true",
+                       help="smaller shapes (a few minutes on 2 cores)")
+    bench.add_argument("--variants", default=None,
+                       help="comma-separated subset of keras_float32, keras_float32_xla, "
+                            "keras_mixed_bfloat16, keras_mixed_bfloat16_xla, "
+                            "keras_mixed_float16, keras_mixed_float16_xla, keras_mp "
+                            "(default: all)")
+    bench.add_argument("--rounds", type=int, default=None,
+                       help="interleaved timed rounds, >= 5 (default: 5 quick, 7 full)")
+    bench.add_argument("--steps", type=int, default=None,
+                       help="training steps per round and variant, >= 5 (default: 5 quick, "
+                            "8 full)")
     bench.add_argument("--models", default="mlp,cnn,transformer",
                        help="comma-separated, among mlp, cnn, transformer "
                             "(default: %(default)s)")

@@ -114,24 +114,31 @@ def _hardware(device_type: str, flags: Iterable[str]) -> dict[str, bool]:
 
 def _measure(device_type: str, n: int, repeats: int) -> dict[str, float]:
     # A TF graph matmul, not XLA: Keras layers run their matmuls through TF's
-    # kernels (oneDNN on CPU), which is where the dtype's speed shows.
+    # kernels (oneDNN on CPU), which is where the dtype's speed shows. The
+    # dtypes' repeats are interleaved, so that a burst of load from other
+    # processes hits all of them rather than whichever was being timed.
     out: dict[str, float] = {}
+    fns = {}
     with tf.device(f"/{device_type}:0"):
         for dtype in ("float32", *NARROW_DTYPES):
             x = tf.cast(tf.random.stateless_normal([n, n], seed=[1, 2]), dtype)
             fn = tf.function(lambda a: tf.matmul(a, a), autograph=False)
             try:
                 fn(x).numpy()  # trace and warm up
-                best = float("inf")
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    fn(x).numpy()
-                    best = min(best, time.perf_counter() - start)
+                fn(x).numpy()
             except (tf.errors.OpError, TypeError, ValueError):
                 out[dtype] = 0.0  # no kernel for this dtype here
                 continue
-            out[dtype] = 2.0 * n**3 / max(best, 1e-9) / 1e9
-    return out
+            fns[dtype] = (fn, x)
+        best = {dtype: float("inf") for dtype in fns}
+        for _ in range(repeats):
+            for dtype, (fn, x) in fns.items():
+                start = time.perf_counter()
+                fn(x).numpy()
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    for dtype, t in best.items():
+        out[dtype] = 2.0 * n**3 / max(t, 1e-9) / 1e9
+    return {d: out[d] for d in ("float32", *NARROW_DTYPES)}
 
 
 def _judge(hardware: dict[str, bool], speed: dict[str, float]) -> tuple[str, ...]:
@@ -145,7 +152,7 @@ def _judge(hardware: dict[str, bool], speed: dict[str, float]) -> tuple[str, ...
 
 
 def profile(device_type: str | None = None, *, refresh: bool = False, size: int = 256,
-            repeats: int = 5) -> DeviceProfile:
+            repeats: int = 9) -> DeviceProfile:
     """Measures (once per process and device type) what ``device_type`` runs fast.
 
     Args:
@@ -154,7 +161,8 @@ def profile(device_type: str | None = None, *, refresh: bool = False, size: int 
         refresh: measure again instead of returning the cached profile.
         size: side of the square matmul timed (>= 16); small on purpose so
             that the measurement takes milliseconds.
-        repeats: timed repeats per dtype (>= 1); the best is kept.
+        repeats: timed repeats per dtype (>= 1), interleaved across dtypes;
+            the best is kept.
 
     Returns:
         A :class:`DeviceProfile`.

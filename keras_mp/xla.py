@@ -1,6 +1,6 @@
 """The one place that decides which work runs under XLA, on which device.
 
-Measured on a 2-core Xeon with AMX-BF16 (``../shared/anchors``): XLA:CPU does
+Measured on a 2-core Xeon with AMX-BF16 (``keras-mp info``): XLA:CPU does
 not use AMX, so a bfloat16 matmul runs at ~210 GFLOP/s under XLA against
 ~720 through TensorFlow/oneDNN, while elementwise and reduction work in
 bfloat16 runs ~3x faster under XLA than as a TF graph. Hence, on such a CPU,
@@ -24,7 +24,12 @@ kernel measured 0.65-0.75x the speed of a per-tensor loop on a 200-tensor
 list (``python -m benchmarks.unscale_multi_tensor``, 2-core AMD EPYC). So on
 CPU they run as one TensorFlow graph.
 
-Users override the decision per kind of work with :func:`set_xla`.
+Where the matmuls of fused layers run on CPU is first read from the CPU
+flags, then replaced by a measurement (graph against XLA matmul throughput in
+the model's narrowest compute dtype) when
+:func:`keras_mp.execution.configure` runs, which the ``AdaptivePrecision``
+callback does. Users override the decision per kind of work with
+:func:`set_xla`.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from typing import Literal, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["Kind", "set_xla", "uses_xla", "jit", "xla_available", "cpu_has_bf16_matmul"]
+__all__ = ["Kind", "set_xla", "uses_xla", "jit", "xla_available", "cpu_has_bf16_matmul",
+           "set_measured_default"]
 
 Kind = Literal["elementwise", "matmul", "multi_tensor"]
 KINDS: tuple[str, ...] = ("elementwise", "matmul", "multi_tensor")
@@ -50,6 +56,7 @@ _DEFAULTS: dict[str, dict[str, bool]] = {
     "TPU": {"elementwise": True, "matmul": True, "multi_tensor": True},
 }
 _overrides: dict[str, bool] = {}
+_measured: dict[tuple[str, str], bool] = {}  # (kind, device type) -> measured default
 _available: dict[str, bool] = {}
 _lock = threading.Lock()
 _log = logging.getLogger("keras_mp")
@@ -112,7 +119,21 @@ def cpu_has_bf16_matmul() -> bool:
     return True
 
 
+def set_measured_default(kind: Kind, device_type: str, enabled: bool) -> None:
+    """Records a measured default for ``kind`` on ``device_type`` (used by
+    :mod:`keras_mp.execution`); :func:`set_xla` still overrides it."""
+    _check_kind(kind)
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"`device_type` must be one of {DEVICE_TYPES}, got {device_type!r}.")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"`enabled` must be True or False, got {enabled!r}.")
+    with _lock:
+        _measured[(kind, device_type)] = enabled
+
+
 def _default(kind: str, device_type: str) -> bool:
+    if (kind, device_type) in _measured:
+        return _measured[(kind, device_type)]
     if device_type == "CPU" and kind == "matmul":
         return not cpu_has_bf16_matmul()
     return _DEFAULTS.get(device_type, _DEFAULTS["CPU"])[kind]
@@ -163,7 +184,7 @@ def uses_xla(kind: Kind, device_type: str | None = None) -> bool:
         >>> from keras_mp import xla
         >>> xla.uses_xla("elementwise", "CPU")
         True
-        >>> xla.uses_xla("matmul", "CPU") == (not xla.cpu_has_bf16_matmul())
+        >>> xla.uses_xla("matmul", "CPU") in (True, False)
         True
     """
     _check_kind(kind)

@@ -21,14 +21,14 @@ import tensorflow as tf
 
 import keras_mp
 from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device,
-                      distribute, export, forward, hooks, kernels, layers, loss_scale, ops,
-                      optimizer, policies, precision_state, probe, quantization, report, stats,
-                      tuning, xla)
+                      distribute, execution, export, forward, hooks, kernels, layers, loss_scale,
+                      ops, optimizer, policies, precision_state, probe, quantization, report,
+                      stats, tuning, xla)
 from keras_mp.fuse import fuse as fuse_model
 
 MODULES = ["autofit", "callbacks", "cli", "controller", "datasets", "demo", "deploy_demo",
-           "device", "distribute", "export", "forward", "fuse", "hooks", "kernels", "layers",
-           "loss_scale", "ops", "optimizer", "policies", "precision_state", "probe",
+           "device", "distribute", "execution", "export", "forward", "fuse", "hooks", "kernels",
+           "layers", "loss_scale", "ops", "optimizer", "policies", "precision_state", "probe",
            "quantization", "report", "stats", "tuning", "xla"]
 
 # Public callables that take no argument, or whose only arguments are checked
@@ -49,6 +49,7 @@ RECORDS = {
     "datasets.Loaded", "demo.DemoResult", "demo.DemoRun", "device.DeviceProfile",
     "kernels.GradientStatistics", "probe.ProbeResult",
     "report.PrecisionReport", "stats.IntervalStats", "xla.Kind",
+    "execution.ExecutionProfile",
 }
 
 SGD = keras.optimizers.SGD
@@ -304,6 +305,16 @@ CASES = [
      "`policy`"),
     ("deploy_demo.train", lambda: deploy_demo.train(epochs=0), ValueError, "`epochs`"),
     ("deploy_demo.compare", lambda: deploy_demo.compare("m"), TypeError, "`model`"),
+    ("xla.set_measured_default", lambda: xla.set_measured_default("conv", "CPU", True),
+     ValueError, "`kind`"),
+    ("xla.set_measured_default", lambda: xla.set_measured_default("matmul", "CPU", 1),
+     TypeError, "`enabled`"),
+    # execution
+    ("execution.profile", lambda: execution.profile("QPU"), ValueError, "`device_type`"),
+    ("execution.profile", lambda: execution.profile(rounds=0), ValueError, "`rounds`"),
+    ("execution.choose", lambda: execution.choose(["int8"]), ValueError, "`dtypes`"),
+    ("execution.configure", lambda: execution.configure(3), TypeError, "`model`"),
+    ("execution.configure", lambda: execution.configure(_model()), ValueError, "`model`"),
 ]
 
 

@@ -1,0 +1,462 @@
+"""How the train step runs: TensorFlow graph or XLA, chosen by measurement.
+
+Whether XLA (``model.compile(jit_compile=True)``) speeds a train step up
+depends on the machine and the compute dtype. On a 2-core AVX2 AMD EPYC,
+XLA made a float32 Keras step 1.12-1.26x faster (it fuses the elementwise
+work around the matmuls); on a Xeon with AMX-BF16 it makes a bfloat16 step
+up to 4x slower (a small CNN), because XLA:CPU does not use AMX while TensorFlow's
+oneDNN kernels do. So the choice is measured, once per process and device:
+
+* a whole train step (dense -> gelu -> layer norm -> dense, gradients, SGD
+  update, float32 variables with the compute cast to the dtype, as Keras
+  mixed precision does) timed as a TensorFlow graph and under XLA, for
+  float32 and the low-precision dtype the ``"adaptive"`` policy uses here
+  (:func:`keras_mp.device.default_candidates`), in interleaved rounds, by
+  process CPU time and by wall time;
+* a matmul in the same dtypes, graph and XLA, which decides where the fused
+  layers' matmuls run (:func:`keras_mp.xla.uses_xla` ``("matmul")``).
+
+XLA is chosen for a model when it is faster by both clocks (by at least
+:data:`MARGIN`) for every compute dtype the model's layers use, the model
+supports it (every layer's ``supports_jit``), no distribution strategy is set
+and nothing in the optimizer needs graph-only ops (``max_consecutive_skips``
+names variables with string ops, which XLA cannot compile).
+
+:func:`configure` applies the choice to a compiled model; the
+:class:`~keras_mp.callbacks.AdaptivePrecision` callback calls it, so the
+recommended set-up uses the fastest measured mode by default. If XLA then
+fails to compile the model's train step, training goes on as a TensorFlow
+graph with one warning, on the same batch (nothing is skipped).
+
+Override, strongest first: ``configure(model, mode=...)``, the environment
+variable ``KERAS_MP_EXECUTION`` (``auto``, ``xla``, ``graph`` or ``keep``),
+the default ``auto``. ``keep`` leaves ``model.jit_compile`` as
+``model.compile`` set it.
+
+Example:
+    >>> import keras, keras_mp
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> keras_mp.execution.configure(model, mode="graph")
+    'graph'
+    >>> model.jit_compile
+    False
+    >>> keras_mp.execution.configure(model, mode="xla")
+    'xla'
+    >>> import numpy as np
+    >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
+    >>> model.jit_compile
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from keras_mp import device, xla
+
+__all__ = ["MODES", "ENV_VAR", "MARGIN", "ExecutionProfile", "profile", "choose", "configure"]
+
+#: Accepted values of ``mode`` and of the ``KERAS_MP_EXECUTION`` variable.
+MODES: tuple[str, ...] = ("auto", "xla", "graph", "keep")
+#: The environment variable that overrides ``auto``.
+ENV_VAR = "KERAS_MP_EXECUTION"
+#: XLA must be at least this much faster (by CPU time and by wall time).
+MARGIN = 1.05
+
+_ATTR = "_keras_mp_execution"
+_cache: dict[str, ExecutionProfile] = {}
+_lock = threading.Lock()
+_log = logging.getLogger("keras_mp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionProfile:
+    """What was measured about whole steps and matmuls under XLA.
+
+    Attributes:
+        device_type: ``"CPU"``, ``"GPU"`` or ``"TPU"``.
+        xla_available: whether XLA compiles and runs on this device.
+        step: dtype -> ``{"graph": (cpu_s, wall_s), "xla": (cpu_s, wall_s)}``,
+            median seconds per train step of the probe model.
+        matmul: dtype -> ``{"graph": GFLOP/s, "xla": GFLOP/s}``.
+    """
+
+    device_type: str
+    xla_available: bool
+    step: dict[str, dict[str, tuple[float, float]]]
+    matmul: dict[str, dict[str, float]]
+
+    def xla_speedup(self, dtype: str) -> float:
+        """The smaller of XLA's CPU-time and wall-time speed-ups over the
+        graph for a train step in ``dtype`` (0.0 when not measured)."""
+        times = self.step.get(dtype)
+        if not times or "xla" not in times:
+            return 0.0
+        (gc, gw), (xc, xw) = times["graph"], times["xla"]
+        return min(gc / max(xc, 1e-12), gw / max(xw, 1e-12))
+
+    def xla_wins(self, dtype: str) -> bool:
+        """Whether XLA runs a train step in ``dtype`` faster by both clocks."""
+        return self.xla_speedup(dtype) >= MARGIN
+
+    def matmul_xla_wins(self, dtype: str) -> bool:
+        """Whether a matmul in ``dtype`` runs at least as fast under XLA."""
+        m = self.matmul.get(dtype, {})
+        return m.get("xla", 0.0) >= m.get("graph", float("inf"))
+
+
+def _check_device_type(device_type: str | None) -> str:
+    device_type = device_type or xla.current_device_type()
+    if device_type not in xla.DEVICE_TYPES:
+        raise ValueError(f"`device_type` must be one of {xla.DEVICE_TYPES} or None, got "
+                         f"{device_type!r}.")
+    return device_type
+
+
+def _probe_step(dtype: str, batch: int, width: int, jit: bool) -> Callable[[], Any]:
+    init = tf.random.stateless_normal
+    x = tf.cast(init([batch, width], seed=[1, 1]), dtype)
+    target = tf.cast(init([batch, width], seed=[1, 2]), dtype)
+    w1 = tf.Variable(init([width, 2 * width], seed=[1, 3]) * 0.02)
+    b1 = tf.Variable(tf.zeros([2 * width]))
+    w2 = tf.Variable(init([2 * width, width], seed=[1, 4]) * 0.02)
+    b2 = tf.Variable(tf.zeros([width]))
+    weights = [w1, b1, w2, b2]
+
+    def step():
+        with tf.GradientTape() as tape:
+            h = tf.nn.gelu(tf.matmul(x, tf.cast(w1, dtype)) + tf.cast(b1, dtype))
+            mean, var = tf.nn.moments(tf.cast(h, "float32"), axes=[-1], keepdims=True)
+            h = tf.cast((tf.cast(h, "float32") - mean) * tf.math.rsqrt(var + 1e-5), dtype)
+            y = tf.matmul(h, tf.cast(w2, dtype)) + tf.cast(b2, dtype)
+            loss = tf.reduce_mean(tf.square(tf.cast(y - target, "float32")))
+        for w, g in zip(weights, tape.gradient(loss, weights)):
+            w.assign_sub(1e-3 * g)
+        return loss
+
+    fn = tf.function(step, jit_compile=jit, autograph=False)
+    return lambda: fn().numpy()
+
+
+def _probe_matmul(dtype: str, n: int, jit: bool) -> Callable[[], Any]:
+    a = tf.cast(tf.random.stateless_normal([n, n], seed=[2, 1]), dtype)
+    fn = tf.function(lambda m: tf.matmul(m, m), jit_compile=jit, autograph=False)
+    return lambda: fn(a)[:1, :1].numpy()
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int,
+                 steps: int) -> dict[str, tuple[float, float]]:
+    """Median (CPU s, wall s) per call of each fn, over interleaved rounds."""
+    for fn in fns.values():
+        fn()  # trace / compile
+        fn()
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            c0, w0 = time.process_time(), time.perf_counter()
+            for _ in range(steps):
+                fn()
+            cpu[key].append((time.process_time() - c0) / steps)
+            wall[key].append((time.perf_counter() - w0) / steps)
+    return {k: (statistics.median(cpu[k]), statistics.median(wall[k])) for k in fns}
+
+
+def _measure(device_type: str, dtypes: Iterable[str], use_xla: bool, batch: int, width: int,
+             rounds: int) -> tuple[dict, dict]:
+    step: dict[str, dict[str, tuple[float, float]]] = {}
+    matmul: dict[str, dict[str, float]] = {}
+    n = 2 * width
+    with tf.device(f"/{device_type}:0"):
+        for dtype in dtypes:
+            modes = (False, True) if use_xla else (False,)
+            names = {False: "graph", True: "xla"}
+            try:
+                step[dtype] = _interleaved(
+                    {names[j]: _probe_step(dtype, batch, width, j) for j in modes}, rounds, 3)
+                mm = _interleaved({names[j]: _probe_matmul(dtype, n, j) for j in modes},
+                                  rounds, 3)
+            except (tf.errors.OpError, TypeError, ValueError) as e:
+                _log.info("keras_mp: could not time a %s step on %s (%s).", dtype,
+                          device_type, e)
+                continue
+            matmul[dtype] = {k: 2.0 * n**3 / max(wall, 1e-12) / 1e9
+                             for k, (_, wall) in mm.items()}
+    return step, matmul
+
+
+def profile(device_type: str | None = None, *, refresh: bool = False, batch: int = 256,
+            width: int = 512, rounds: int = 5) -> ExecutionProfile:
+    """Measures (once per process and device type) graph against XLA.
+
+    Takes a few seconds on a 2-core CPU, most of it XLA compilation.
+
+    Args:
+        device_type: ``"CPU"``, ``"GPU"`` or ``"TPU"``; the device new ops
+            would run on when None.
+        refresh: measure again instead of returning the cached profile.
+        batch: rows of the probe step's input (>= 8).
+        width: width of the probe model (>= 16); the matmul probe is
+            ``2 * width`` square.
+        rounds: interleaved timing rounds (>= 1); medians are kept.
+
+    Returns:
+        An :class:`ExecutionProfile`.
+    """
+    device_type = _check_device_type(device_type)
+    for name, value, low in (("batch", batch, 8), ("width", width, 16), ("rounds", rounds, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+    with _lock:
+        if not refresh and device_type in _cache:
+            return _cache[device_type]
+    # The dtypes "adaptive" computes in here (a "fast" float16 matmul can still
+    # sit in a step of emulated float16 elementwise ops, seconds per step).
+    dtypes = tuple(dict.fromkeys(("float32", *device.default_candidates(device_type))))
+    available = xla.xla_available(device_type)
+    step, matmul = _measure(device_type, dtypes, available, batch, width, rounds)
+    result = ExecutionProfile(device_type, available, step, matmul)
+    with _lock:
+        _cache[device_type] = result
+    return result
+
+
+def choose(dtypes: Iterable[str], device_type: str | None = None) -> str:
+    """``"xla"`` where a measured XLA train step wins for every dtype in
+    ``dtypes``, else ``"graph"`` (the decision :func:`configure` applies).
+
+    Args:
+        dtypes: compute dtypes, e.g. ``["bfloat16", "float32"]``.
+        device_type: as for :func:`profile`.
+
+    Example:
+        >>> choose(["float32"]) in ("xla", "graph")
+        True
+    """
+    if isinstance(dtypes, str):
+        dtypes = [dtypes]
+    dtypes = sorted(set(dtypes))
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    if not dtypes or bad:
+        raise ValueError("`dtypes` must name at least one of 'float32', 'bfloat16', "
+                         f"'float16', got {dtypes!r}.")
+    prof = profile(device_type)
+    return "xla" if prof.xla_available and all(prof.xla_wins(d) for d in dtypes) else "graph"
+
+
+def _compute_dtypes(model: keras.Model) -> set[str]:
+    return {layer.compute_dtype for layer in model._flatten_layers(include_self=False)
+            if layer.weights and layer.compute_dtype in ("float32", "bfloat16", "float16")} or {
+                "float32"}
+
+
+def _graph_only_reason(model: keras.Model) -> str | None:
+    """Why XLA cannot be used for this model at all (None when it can)."""
+    from keras.src.trainers.trainer import model_supports_jit
+
+    if getattr(model, "run_eagerly", False):
+        return "the model runs eagerly (run_eagerly=True)"
+    if getattr(model, "_distribute_strategy", None) is not None:
+        return "a distribution strategy is set (Keras does not compile its steps with XLA)"
+    opt = getattr(model, "optimizer", None)
+    if getattr(opt, "max_consecutive_skips", None) is not None:
+        return ("the optimizer sets max_consecutive_skips, whose message names variables "
+                "with string ops XLA cannot compile; set max_consecutive_skips=None to allow XLA")
+    if not model_supports_jit(model):
+        names = sorted({type(layer).__name__ for layer in model._flatten_layers()
+                        if not layer.supports_jit})
+        return f"layers that do not support XLA: {', '.join(names) or 'see Keras'}"
+    if not xla.xla_available():
+        return "XLA does not run on this device"
+    return None
+
+
+@dataclasses.dataclass
+class _State:
+    mode: str
+    strict: bool = True  # mode="xla" from the argument: an error where XLA cannot be used
+    explicit: bool = False  # mode from the argument: later configure(model) calls keep it
+    chosen: str = "graph"
+    fell_back: bool = False
+    told: bool = False
+    original: Callable[..., Any] | None = None
+
+
+def _decide(model: keras.Model, state: _State) -> str:
+    if state.mode == "keep":
+        return "xla" if model.jit_compile else "graph"
+    if state.fell_back or state.mode == "graph":
+        return "graph"
+    reason = _graph_only_reason(model)
+    if reason is not None:
+        if state.mode == "xla" and state.strict:
+            raise ValueError(f"`mode`='xla' cannot be used for this model: {reason}.")
+        if not state.told:  # one message per model, not one per rebuild
+            _log.info("keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
+            state.told = True
+        return "graph"
+    if state.mode == "xla":
+        return "xla"
+    return choose(_compute_dtypes(model))
+
+
+def _take(iterator, count: int) -> list:
+    """Up to ``count`` elements of a TF iterator, read eagerly."""
+    batch = []
+    for _ in range(count):
+        opt = iterator.get_next_as_optional()
+        if not opt.has_value():
+            break
+        batch.append(opt.get_value())
+    if not batch:
+        raise StopIteration
+    return batch
+
+
+class _FirstCallGuard:
+    """Runs an XLA train function; if its first call fails to compile,
+    warns once and reruns the same data as a TensorFlow graph."""
+
+    def __init__(self, model: keras.Model, fn: Callable[..., Any]):
+        self._model, self._fn, self._checked = model, fn, False
+
+    def _graph(self) -> Callable[..., Any]:
+        model = self._model
+        state: _State = getattr(model, _ATTR)
+        model.jit_compile = False
+        state.original(force=True)
+        model.test_function = model.predict_function = None
+        return model.train_function
+
+    def __call__(self, iterator):
+        if self._checked:
+            return self._fn(iterator)
+        model = self._model
+        state: _State = getattr(model, _ATTR)
+        if state.fell_back:
+            self._fn, self._checked = self._graph(), True
+            return self._fn(iterator)
+        data = iterator
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            data = _take(iterator, model.steps_per_execution)
+        try:
+            out = self._fn(data)
+        except (StopIteration, tf.errors.OutOfRangeError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - any compile failure: graph instead
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            _log.warning(
+                "keras_mp: XLA could not compile this model's train step (%s: %s); training "
+                "goes on as a TensorFlow graph, from this same batch. To skip the attempt: "
+                "keras_mp.execution.configure(model, mode='graph') or %s=graph.",
+                type(e).__name__, first, ENV_VAR)
+            state.fell_back, state.chosen = True, "graph"
+            self._fn = self._graph()
+            out = self._fn(data)
+        self._checked = True
+        return out
+
+
+def _install(model: keras.Model, state: _State) -> None:
+    original = model.make_train_function  # the class's bound method
+
+    def make_train_function(force: bool = False):
+        if model.train_function is not None and not force:
+            return model.train_function
+        chosen = _decide(model, state)  # again: the compute dtypes may have changed
+        state.chosen = chosen
+        if state.mode != "keep":
+            model.jit_compile = chosen == "xla"
+        original(force=True)
+        if model.jit_compile:
+            model.train_function = _FirstCallGuard(model, model.train_function)
+        return model.train_function
+
+    state.original = original
+    model.make_train_function = make_train_function
+
+
+def configure(model: keras.Model, mode: str | None = None) -> str:
+    """Sets how ``model``'s train step runs: the fastest measured mode.
+
+    Call it after ``model.compile(...)`` (which resets ``jit_compile``); the
+    :class:`~keras_mp.callbacks.AdaptivePrecision` callback calls it for
+    you. The choice is taken again whenever the train step is rebuilt (e.g.
+    when adaptive precision changes a layer's dtype). XLA also applies to
+    ``evaluate`` and ``predict``, as with ``compile(jit_compile=True)``.
+
+    Args:
+        model: a compiled Keras model.
+        mode: ``"auto"`` (measure: :func:`choose`), ``"xla"``, ``"graph"``
+            or ``"keep"`` (leave ``model.jit_compile`` as compiled). When
+            None: the mode an earlier ``configure(model, mode=...)`` gave
+            this model (so the callback keeps a mode you chose), else the
+            ``KERAS_MP_EXECUTION`` environment variable, else ``"auto"``.
+            ``"auto"`` replaces the ``jit_compile`` given to ``compile``;
+            use ``"keep"`` to keep it.
+
+    Returns:
+        ``"xla"`` or ``"graph"``: the mode chosen now.
+
+    Raises:
+        TypeError: ``model`` is not a Keras model.
+        ValueError: ``model`` is not compiled, ``mode`` (or the environment
+            variable) is not one of :data:`MODES`, or ``mode="xla"`` for a
+            model that cannot use XLA (the message says why; the
+            environment variable set to ``xla`` instead falls back to the
+            graph for such a model, with an info message).
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    source = "`mode`"
+    state = getattr(model, _ATTR, None)
+    if mode is None and state is not None and state.explicit:
+        mode = state.mode  # chosen by an earlier configure(model, mode=...): it sticks
+    elif mode is None:
+        mode, source = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", ENV_VAR
+    if mode not in MODES:
+        raise ValueError(f"{source} must be one of {MODES}, got {mode!r}.")
+    if not getattr(model, "compiled", False):
+        raise ValueError("`model` must be compiled first: call model.compile(...), then "
+                         "keras_mp.execution.configure(model).")
+    if mode == "xla" and source == "`mode`":
+        reason = _graph_only_reason(model)
+        if reason is not None:  # before anything about the model changes
+            raise ValueError(f"`mode`='xla' cannot be used for this model: {reason}.")
+    if state is None:
+        state = _State(mode)
+        _install(model, state)
+        setattr(model, _ATTR, state)
+    elif state.mode != mode:
+        state.mode, state.fell_back = mode, False
+    state.strict = state.explicit = source == "`mode`"
+    before = model.jit_compile
+    chosen = _decide(model, state)
+    state.chosen = chosen
+    if mode != "keep":
+        model.jit_compile = chosen == "xla"
+    if model.jit_compile != before:
+        model.train_function = model.test_function = model.predict_function = None
+    _set_matmul_placement(model)
+    return chosen
+
+
+def _set_matmul_placement(model: keras.Model) -> None:
+    """Points the fused layers' matmuls at the faster of graph and XLA for
+    the narrowest dtype the model computes in (measured, not from flags)."""
+    prof = profile()
+    dtypes = _compute_dtypes(model)
+    dtype = next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
+    if dtype in prof.matmul and "xla" in prof.matmul[dtype]:
+        xla.set_measured_default("matmul", prof.device_type, prof.matmul_xla_wins(dtype))

@@ -1,0 +1,166 @@
+"""keras_mp.execution: the measured graph/XLA choice, its overrides, and the
+fallback when XLA cannot compile a model's train step."""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_mp
+from keras_mp import execution, xla
+
+
+def _data(n=32):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((n, 8)).astype("float32"), rng.standard_normal((n, 1)).astype(
+        "float32")
+
+
+def _model(*middle):
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="gelu"),
+                              *middle, keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+class _NumpyDouble(keras.layers.Layer):
+    """A layer XLA cannot compile (a Python function inside the graph)."""
+
+    def call(self, x):
+        y = tf.numpy_function(lambda a: a * 2, [x], x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+
+def test_profile_measures_graph_and_xla_per_dtype_once():
+    p = execution.profile("CPU")
+    assert p is execution.profile("CPU")
+    assert "float32" in p.step and p.step["float32"]["graph"][0] > 0
+    if p.xla_available:
+        assert set(p.step["float32"]) == {"graph", "xla"}
+        assert p.xla_speedup("float32") > 0
+        assert p.matmul["float32"]["xla"] > 0 and p.matmul["float32"]["graph"] > 0
+    assert p.xla_wins("float32") == (p.xla_speedup("float32") >= execution.MARGIN)
+    assert execution.choose(["float32"]) == ("xla" if p.xla_available and p.xla_wins(
+        "float32") else "graph")
+
+
+def test_choose_needs_every_dtype_to_win():
+    p = execution.ExecutionProfile("CPU", True, {
+        "float32": {"graph": (2.0, 2.0), "xla": (1.0, 1.0)},
+        "bfloat16": {"graph": (1.0, 1.0), "xla": (3.0, 3.0)}}, {})
+    assert p.xla_wins("float32") and not p.xla_wins("bfloat16")
+    # Faster by CPU time but slower by wall time is not a win.
+    q = execution.ExecutionProfile("CPU", True, {
+        "float32": {"graph": (2.0, 1.0), "xla": (1.0, 1.5)}}, {})
+    assert not q.xla_wins("float32")
+    with pytest.raises(ValueError, match="`dtypes`"):
+        execution.choose(["int8"])
+    with pytest.raises(ValueError, match="`dtypes`"):
+        execution.choose([])
+
+
+def test_configure_modes_and_env_override(monkeypatch):
+    x, y = _data()
+    model = _model()
+    assert execution.configure(model, mode="graph") == "graph" and model.jit_compile is False
+    assert execution.configure(model, mode="xla") == "xla" and model.jit_compile is True
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert model.jit_compile is True and model.optimizer.iterations.numpy() == 4
+    monkeypatch.setenv(execution.ENV_VAR, "graph")
+    assert execution.configure(model) == "xla"  # the mode given to configure sticks
+    fresh = _model()
+    assert execution.configure(fresh) == "graph" and fresh.jit_compile is False
+    monkeypatch.setenv(execution.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=execution.ENV_VAR):
+        execution.configure(fresh)
+    monkeypatch.delenv(execution.ENV_VAR)
+    assert execution.configure(fresh) == execution.choose({"float32"})
+    kept = _model()
+    kept.compile(optimizer="adam", loss="mse", jit_compile=True)
+    assert execution.configure(kept, mode="keep") == "xla" and kept.jit_compile is True
+
+
+def test_configure_rejects_bad_input():
+    with pytest.raises(TypeError, match="`model`"):
+        execution.configure("model")
+    uncompiled = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="compiled"):
+        execution.configure(uncompiled)
+    with pytest.raises(ValueError, match="`mode`"):
+        execution.configure(_model(), mode="jit")
+
+
+def test_xla_compile_failure_falls_back_once_on_the_same_batch(caplog):
+    x, y = _data()
+    model = _model(_NumpyDouble())
+    assert execution.configure(model, mode="xla") == "xla"
+    with caplog.at_level(logging.WARNING, logger="keras_mp"):
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    # Every batch trained (none lost to the failed attempt), in graph mode.
+    assert model.optimizer.iterations.numpy() == 8
+    assert model.jit_compile is False
+    warnings = [r for r in caplog.records if "XLA could not compile" in r.getMessage()]
+    assert len(warnings) == 1 and "mode='graph'" in warnings[0].getMessage()
+    model.fit(x, y, batch_size=8, verbose=0)  # later fits stay in graph mode, silently
+    assert model.jit_compile is False and model.optimizer.iterations.numpy() == 12
+
+
+def test_fallback_with_several_steps_per_execution():
+    x, y = _data()
+    model = _model(_NumpyDouble())
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=3)
+    execution.configure(model, mode="xla")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # 4 batches: 3 + 1
+    assert model.optimizer.iterations.numpy() == 4 and model.jit_compile is False
+
+
+def test_graph_only_features_say_why(monkeypatch):
+    model = _model()
+    model.compile(optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.Adam(),
+                                                        max_consecutive_skips=3), loss="mse")
+    assert execution.configure(model, mode="auto") == "graph"
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        execution.configure(model, mode="xla")
+    monkeypatch.setenv(execution.ENV_VAR, "xla")  # a preference, not an error
+    assert execution.configure(model) == "graph"
+
+
+def test_adaptive_precision_applies_the_mode(monkeypatch):
+    x, y = _data()
+    keras_mp.set_global_policy("adaptive")
+    try:
+        model = _model()
+        monkeypatch.setenv(execution.ENV_VAR, "xla")
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                  callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=2)])
+        assert model.jit_compile is True
+        assert model.optimizer.iterations.numpy() == 8
+        monkeypatch.setenv(execution.ENV_VAR, "graph")
+        model.fit(x, y, batch_size=8, verbose=0,
+                  callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=2)])
+        assert model.jit_compile is False
+        # A mode given to configure sticks: the callback does not replace it.
+        execution.configure(model, mode="keep")
+        model.compile(optimizer="adam", loss="mse", jit_compile=True)
+        model.fit(x, y, batch_size=8, verbose=0,
+                  callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=2)])
+        assert model.jit_compile is True
+    finally:
+        keras_mp.set_global_policy("float32")
+
+
+def test_measured_matmul_placement_and_set_xla_override():
+    execution.configure(_model(), mode="graph")
+    p = execution.profile()
+    if "xla" in p.matmul.get("float32", {}):
+        assert xla.uses_xla("matmul", "CPU") == p.matmul_xla_wins("float32")
+    keras_mp.set_xla("matmul", True)
+    try:
+        assert xla.uses_xla("matmul", "CPU") is True
+    finally:
+        keras_mp.set_xla("matmul", None)
+    with pytest.raises(ValueError, match="`device_type`"):
+        xla.set_measured_default("matmul", "QPU", True)
