@@ -200,7 +200,6 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._policy: policies.AdaptivePolicy | None = None
         self._inert = False
         self._calls = 0
-        self._decided_at = 0
         self._epoch_switches = 0
         self._restored = False
         self._probe_fn = None
@@ -328,7 +327,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         """Adopts the state variables if they differ from the policy: a
         checkpoint (e.g. ``BackupAndRestore``) was loaded into them."""
         states, calls = self._state.read(self._policy.candidates)
-        self._calls = self._decided_at = calls
+        self._calls = calls
         if states == self._states():
             return
         changed = False
@@ -393,21 +392,22 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._epoch_switches = 0
 
     def on_train_batch_begin(self, batch, logs=None):
-        # Counting and deciding here, not in on_train_batch_end: a callback
-        # with a batch-end hook makes Keras wait for every step's logs.
         if self._inert:
             return
-        self._decide_if_due()
         call = self._calls + 1
         probe = self.probe_every is not None and call % self.probe_every == 0
         stats = probe or call % self.statistics_every == 0
         self.model.train_function = self._train_functions()[2 if probe else 1 if stats else 0]
-        self._calls = call
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Here, not at the next batch's start: callbacks after this one at
+        # the epoch's end (BackupAndRestore, ModelCheckpoint) must see the
+        # decision of the epoch's last call.
+        self.step_end()
 
     def on_epoch_end(self, epoch, logs=None):
         if self._inert:
             return
-        self._decide_if_due()
         if logs is not None:
             logs["precision_switches"] = self._epoch_switches
             narrow = self._policy.candidates[0]
@@ -417,7 +417,6 @@ class AdaptivePrecision(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._inert:
             return
-        self._decide_if_due()
         # Custom loops and later traces see the statistics on, as after set_model.
         if isinstance(self._optimizer, LossScaleOptimizer):
             self._optimizer.statistics_sink = self._stats.accumulate
@@ -427,13 +426,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
 
     # -- decisions ---------------------------------------------------------
 
-    def _decide_if_due(self) -> None:
-        if self._calls and self._calls % self.interval == 0 and self._decided_at != self._calls:
-            self._decided_at = self._calls
-            self.update()
-
     def step_end(self) -> list[dict[str, Any]]:
-        """Counts one train step of a custom loop; every ``interval`` calls, decides.
+        """Counts one train step (``fit`` calls it after each); every
+        ``interval`` calls, decides.
 
         Returns:
             The switches made now (usually none).
@@ -445,7 +440,6 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._calls += 1
         if self._calls % self.interval:
             return []
-        self._decided_at = self._calls
         return self.update()
 
     def probe(self, data) -> None:
