@@ -27,11 +27,10 @@ Run: ``python -m benchmarks.adaptive_overhead [--quick] [--narrow bfloat16]``
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
-from .common import quiet_tensorflow, sync
+from .common import cpu_name, quiet_tensorflow, sync
 
 TARGET = 1.05
 TARGET_FLOAT32 = 1.02
@@ -40,18 +39,10 @@ TARGET_FLOAT32 = 1.02
 def _machine() -> str:
     import os
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-
     import keras
     import tensorflow as tf
 
-    return (f"{cpu}, {os.cpu_count()} cores; TensorFlow {tf.__version__}, "
+    return (f"{cpu_name()}, {os.cpu_count()} cores; TensorFlow {tf.__version__}, "
             f"Keras {keras.__version__}")
 
 

@@ -279,3 +279,17 @@ def peak_rss_mb() -> float:
 def quiet_tensorflow() -> None:
     """Silences TensorFlow's C++ start-up log before it is imported."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f
+                        if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return cpu

@@ -36,12 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .common import interleaved_clocks, quiet_tensorflow
+from .common import cpu_name, interleaved_clocks, quiet_tensorflow
 
 __all__ = ["MODELS", "VARIANTS", "KERAS_VARIANTS", "run", "main"]
 
@@ -173,13 +172,7 @@ def _machine(prof, exec_prof) -> dict[str, Any]:
 
     import keras_mp
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f
-                        if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_name()
     gpus = tf.config.list_physical_devices("GPU")
     gpu_names = [tf.config.experimental.get_device_details(g).get("device_name", g.name)
                  for g in gpus]

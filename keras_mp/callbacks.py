@@ -57,7 +57,6 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
