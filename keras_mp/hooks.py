@@ -18,7 +18,7 @@ Each wrapper checks a Python flag **when the step is traced**: the
 statistics and probe variants of the train function are separate traces (see
 :class:`keras_mp.callbacks.AdaptivePrecision`), and the plain trace contains
 no extra op. The forward statistics and probe results recorded while a step
-is traced wait in :attr:`Hooks.pending` until the statistics sink of the same
+is traced wait in the hooks (per graph and thread) until the statistics sink of the same
 trace takes them (:meth:`Hooks.take`), so one all-reduce and one accumulation
 serve gradients, forward statistics and the probe alike.
 
