@@ -458,7 +458,10 @@ def test_dense_in_xla_differentiates_inside_xla():
 # placement decisions
 
 
-def test_cpu_matmul_placement_follows_bf16_hardware():
+def test_cpu_matmul_placement_follows_bf16_hardware(monkeypatch):
+    # Without a measured placement (an earlier test may have configured a
+    # model, which measures one), the default follows the hardware.
+    monkeypatch.setattr(xla, "_measured", {})
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         flags = next(line for line in f if line.startswith("flags")).split()
     has = "amx_bf16" in flags or "avx512_bf16" in flags
