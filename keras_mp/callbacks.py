@@ -60,7 +60,7 @@ import keras
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from keras_mp import controller, execution, policies
+from keras_mp import controller, execution, float8, policies
 from keras_mp import loss_scale as loss_scale_lib  # `loss_scale` is an argument below
 from keras_mp import probe as probe_lib
 from keras_mp.hooks import Hooks
@@ -76,7 +76,7 @@ _HOOKS_ATTR = "_keras_mp_hooks"
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 ).SerializeToString()
-_BITS = {"float16": 16, "bfloat16": 16, "float32": 32}
+_BITS = {"float8": 8, "float16": 16, "bfloat16": 16, "float32": 32}
 
 
 def _scalar(tag: str, value: float) -> None:
@@ -103,6 +103,29 @@ def _refresh(layer: keras.layers.Layer) -> None:
     finalize = getattr(layer, "finalize_state", None)
     if layer.built and callable(finalize):
         finalize()
+
+
+def _rebuild_optimizer(model: keras.Model) -> None:
+    """A fresh copy of the model's optimizer, built on its variables now:
+    :func:`keras_mp.float8.prepare` just added float8 variables that an
+    optimizer built before (``fit`` builds it before callbacks start) would
+    refuse. Only an optimizer that has not taken a step yet is replaced."""
+    opt = getattr(model, "optimizer", None)
+    if opt is None or not opt.built:
+        return
+    if int(keras.ops.convert_to_numpy(opt.iterations)) > 0:
+        raise ValueError(
+            "The model's optimizer has already trained without the float8 variables that "
+            "keras_mp.float8.prepare(model) adds; call it before the optimizer's first step "
+            "(before fit, or before optimizer.build in a custom loop).")
+    with model.distribute_strategy.scope():
+        fresh = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+        fresh.build(model.trainable_variables)
+    model.optimizer = fresh
+    compile_config = getattr(model, "_compile_config", None)
+    if compile_config is not None and "optimizer" in getattr(compile_config, "config", {}):
+        compile_config.config["optimizer"] = fresh
+    model.train_function = None
 
 
 def _is_keras_train_step(model: keras.Model) -> bool:
@@ -213,6 +236,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
                 "AdaptivePrecision needs a model whose layers use a keras_mp.AdaptivePolicy: "
                 "call keras_mp.set_global_policy('adaptive') (or 'adaptive_bfloat16', "
                 "'adaptive_float16', or an AdaptivePolicy) before building the model.")
+        if "float8" in policy.candidates and float8.prepare(model, policy):
+            _rebuild_optimizer(model)
         layers = policies.adaptive_layers(model, policy)
         if not layers:
             raise ValueError("AdaptivePrecision found no layer under the model's "
@@ -302,9 +327,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
 
     def _trial_dtypes(self) -> dict[str, str]:
         """Layers on trial, in the narrower dtype they are tried in."""
-        order = self._policy.candidates
         out = {}
         for path, st in zip(self._paths, self._states()):
+            order = self._policy.candidates_for(path)
             if st.trial and order.index(st.dtype) > 0:
                 out[path] = order[order.index(st.dtype) - 1]
         return out
@@ -409,9 +434,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
             return
         if logs is not None:
             logs["precision_switches"] = self._epoch_switches
-            narrow = self._policy.candidates[0]
             logs["precision_narrow_layers"] = sum(
-                self._policy.dtype_of(p) == narrow for p in self._paths)
+                self._policy.dtype_of(p) == self._policy.candidates_for(p)[0]
+                for p in self._paths)
 
     def on_train_end(self, logs=None):
         if self._inert:
@@ -484,7 +509,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
             policy.candidates, policy.rule, all_nonfinite=interval.all_nonfinite,
             probe_steps=interval.probe_steps, probe_loss_error=interval.probe_loss_error,
             probe_loss_noise_ratio=interval.probe_loss_noise_ratio,
-            validate_demotions=self._probe_fn is not None and self.probe_every is not None)
+            validate_demotions=self._probe_fn is not None and self.probe_every is not None,
+            float8_layers=[policy.is_float8(self._paths[i]) for i in order])
         new_states = list(states)
         for k, st in zip(order, decision.states):
             new_states[k] = st

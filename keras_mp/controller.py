@@ -27,7 +27,14 @@ the next interval re-checks):
    non-finite layer is promoted (``nonfinite``). An isolated overflow at a
    too-large loss scale is the loss scaler's business (non-finite steps count
    only at the scale's floor).
-3. **Underflow.** A float16 layer whose scaled gradients are float16
+3. **Local trouble.** A float8 layer whose operands (inputs, kernel,
+   output gradient) were clipped at the E4M3/E5M2 limits in more than
+   ``max_float8_saturated`` of their elements (``float8_saturated``), fell
+   below the format's normal range in more than ``max_float8_flushed`` of
+   their non-zero elements (``float8_flushed``: typically an outlier that
+   set the per-tensor scale), or whose amax grew more than
+   ``max_float8_growth`` times over its history (``float8_amax_growth``) is
+   promoted. **Underflow**: a float16 layer whose scaled gradients are float16
    subnormals in more than ``max_fp16_subnormal`` of their elements, a
    bfloat16 layer with more than ``max_bf16_subnormal`` below bfloat16's
    normal range (``fp16_subnormal``, ``bf16_subnormal``), or a narrow layer
@@ -37,7 +44,8 @@ the next interval re-checks):
    consecutive healthy intervals (doubled for each strike) and no cool-down
    left, a layer whose statistics fit the next narrower candidate with
    margin (``hysteresis`` times the thresholds: gradients, and forward
-   amaxes below the narrower dtype's largest value / 16) is demoted
+   amaxes below the narrower dtype's largest value / 16; into float8 also
+   the float8 evidence measured while the layer ran wider) is demoted
    (``healthy``) or, with ``validate_demotions``, put **on trial**: the next
    probe runs with it narrowed (one trial at a time).
 5. **Probe** (rounding, which range statistics cannot see). With probe
@@ -80,7 +88,7 @@ __all__ = ["DTYPE_ORDER", "DecisionRule", "LayerStats", "LayerState", "Switch", 
            "decide", "sort_candidates"]
 
 #: Candidate dtypes from narrowest (cheapest, least range) to widest.
-DTYPE_ORDER: tuple[str, ...] = ("float16", "bfloat16", "float32")
+DTYPE_ORDER: tuple[str, ...] = ("float8", "float16", "bfloat16", "float32")
 
 
 def sort_candidates(candidates: Sequence[str]) -> tuple[str, ...]:
@@ -99,6 +107,9 @@ def sort_candidates(candidates: Sequence[str]) -> tuple[str, ...]:
                          f"{list(candidates)!r} ({bad!r} not allowed).")
     if len(set(candidates)) != len(candidates):
         raise ValueError(f"`candidates` must not repeat a dtype, got {list(candidates)!r}.")
+    if all(c == "float8" for c in candidates):
+        raise ValueError("`candidates` must hold a float dtype besides 'float8' (layers that "
+                         f"cannot train in float8 use it), got {list(candidates)!r}.")
     return tuple(sorted(candidates, key=DTYPE_ORDER.index))
 
 
@@ -136,6 +147,12 @@ class DecisionRule:
             promoted.
         max_flushed: fraction of a narrow layer's output elements flushed to
             subnormals above which it is promoted.
+        max_float8_saturated: fraction of a float8 layer's operand elements
+            clipped at the format's largest value above which it is promoted.
+        max_float8_flushed: fraction of its non-zero operand elements below
+            the format's smallest normal value above which it is promoted.
+        max_float8_growth: growth of an operand's amax over its amax
+            history above which it is promoted (> 1).
         max_probe_loss_error: the probe's loss relative error (configured
             dtypes vs float32) above which rounding costs accuracy.
         max_probe_grad_error: a layer's gradient relative error in the probe
@@ -163,6 +180,9 @@ class DecisionRule:
     max_bf16_subnormal: float = 0.25
     max_near_max: float = 0.25
     max_flushed: float = 0.5
+    max_float8_saturated: float = 0.01
+    max_float8_flushed: float = 0.1
+    max_float8_growth: float = 16.0
     max_probe_loss_error: float = 0.1
     max_probe_grad_error: float = 0.5
     max_probe_noise_ratio: float = 1.0
@@ -174,8 +194,13 @@ class DecisionRule:
 
     def __post_init__(self):
         for name in ("max_nonfinite", "max_fp16_subnormal", "max_bf16_subnormal", "max_near_max",
-                     "max_flushed", "hysteresis"):
+                     "max_flushed", "max_float8_saturated", "max_float8_flushed",
+                     "hysteresis"):
             _fraction(name, getattr(self, name))
+        _positive("max_float8_growth", self.max_float8_growth)
+        if self.max_float8_growth <= 1:
+            raise ValueError("`max_float8_growth` must be a number > 1, got "
+                             f"{self.max_float8_growth!r}.")
         for name in ("max_probe_loss_error", "max_probe_grad_error", "max_probe_noise_ratio"):
             _positive(name, getattr(self, name))
         if self.hysteresis == 0:
@@ -214,6 +239,11 @@ class LayerStats:
             forward statistics (see :mod:`keras_mp.forward`): amaxes over the
             interval, the others fractions of the observed steps (the flushed
             fraction: of output elements, averaged).
+        f8_growth, f8_saturated, f8_flushed: float8 evidence (see
+            :mod:`keras_mp.float8`): the largest amax growth over the
+            history, and fractions of operand elements clipped / below the
+            normal range, averaged over the observed steps; measured as if in
+            float8 while a float8-capable layer runs wider.
         probe_steps: float32 probes in the interval that measured this layer.
         grad_error: mean relative error of its gradient in the probe.
         cosine: mean cosine between its gradient and the float32 one.
@@ -238,6 +268,9 @@ class LayerStats:
     out_nonfinite: float = 0.0
     out_near_max: float = 0.0
     out_flushed: float = 0.0
+    f8_growth: float = 0.0
+    f8_saturated: float = 0.0
+    f8_flushed: float = 0.0
     probe_steps: int = 0
     grad_error: float = 0.0
     cosine: float = 1.0
@@ -317,9 +350,24 @@ def _forward_trouble(s: LayerStats, rule: DecisionRule) -> str | None:
     return None
 
 
-def _fits(dtype: str, s: LayerStats, rule: DecisionRule) -> bool:
-    """Whether a layer with statistics ``s`` would be healthy in ``dtype``,
-    with the hysteresis margin."""
+def _float8_trouble(s: LayerStats, rule: DecisionRule, margin: float = 1.0) -> str | None:
+    """Why the float8 evidence says the layer should not be in float8, or None."""
+    if not s.forward_steps:
+        return None
+    if s.f8_saturated > margin * rule.max_float8_saturated:
+        return "float8_saturated"
+    if s.f8_flushed > margin * rule.max_float8_flushed:
+        return "float8_flushed"
+    if s.f8_growth > max(1.0, margin * rule.max_float8_growth):
+        return "float8_amax_growth"
+    return None
+
+
+def _fits(dtype: str, s: LayerStats, rule: DecisionRule, base: str = "bfloat16") -> bool:
+    """Whether a layer with statistics ``s`` would be healthy in ``dtype``
+    (a float8 layer computes in ``base``), with the hysteresis margin."""
+    if dtype == "float8":
+        return _float8_trouble(s, rule, rule.hysteresis) is None and _fits(base, s, rule)
     if s.forward_steps:
         limit = rule.hysteresis * _DTYPE_MAX[dtype] / _NEAR_MAX
         if s.in_range > 0 or s.out_nonfinite > 0 or max(s.in_amax, s.out_amax) > limit:
@@ -352,7 +400,8 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
            candidates: Sequence[str], rule: DecisionRule | None = None, *,
            all_nonfinite: float = 0.0, probe_steps: float = 0,
            probe_loss_error: float = 0.0, probe_loss_noise_ratio: float = float("inf"),
-           validate_demotions: bool = False) -> Decision:
+           validate_demotions: bool = False,
+           float8_layers: Sequence[bool] | None = None) -> Decision:
     """Applies the rule (see the module docstring) to one interval.
 
     Args:
@@ -369,6 +418,9 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
         validate_demotions: demote only after a probe with the layer narrowed
             (a trial) stayed under the thresholds; False demotes on range
             evidence alone (for callers that run no probe).
+        float8_layers: per layer, whether it may compute in ``"float8"``
+            (Keras trains only ``Dense`` and ``EinsumDense`` in float8); the
+            others choose among the other candidates. None: every layer may.
 
     Returns:
         A :class:`Decision`.
@@ -401,9 +453,16 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
     if len(stats) != len(states):
         raise ValueError(f"`stats` and `states` must have the same length, got "
                          f"{len(stats)} and {len(states)}.")
-    for s in states:
-        if s.dtype not in order:
-            raise ValueError(f"A layer state's dtype must be one of the candidates {order}, "
+    if float8_layers is None:
+        float8_layers = [True] * len(states)
+    if len(float8_layers) != len(states):
+        raise ValueError(f"`float8_layers` must have one entry per layer ({len(states)}), "
+                         f"got {len(float8_layers)}.")
+    floats = tuple(c for c in order if c != "float8")
+    orders = [order if f8 else floats for f8 in float8_layers]
+    for s, own in zip(states, orders):
+        if s.dtype not in own:
+            raise ValueError(f"A layer state's dtype must be one of its candidates {own}, "
                              f"got {s.dtype!r}.")
     _fraction("all_nonfinite", all_nonfinite)
     if isinstance(probe_steps, bool) or not isinstance(probe_steps, (int, float)) \
@@ -417,13 +476,13 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
         raise ValueError("`probe_loss_noise_ratio` must be a number >= 0, got "
                          f"{probe_loss_noise_ratio!r}.")
 
-    def wider(dtype: str) -> str | None:
-        i = order.index(dtype)
-        return order[i + 1] if i + 1 < len(order) else None
+    def wider(i: int, dtype: str) -> str | None:
+        k = orders[i].index(dtype)
+        return orders[i][k + 1] if k + 1 < len(orders[i]) else None
 
-    def narrower(dtype: str) -> str | None:
-        i = order.index(dtype)
-        return order[i - 1] if i > 0 else None
+    def narrower(i: int, dtype: str) -> str | None:
+        k = orders[i].index(dtype)
+        return orders[i][k - 1] if k > 0 else None
 
     new = list(states)
     switches: list[Switch] = []
@@ -432,13 +491,13 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
     with_grads = [i for i in measured if stats[i].gradients and stats[i].steps > 0]
 
     def promote(i: int, reason: str) -> None:
-        target = wider(new[i].dtype)
+        target = wider(i, new[i].dtype)
         if target is not None:
             switches.append(Switch(i, new[i].dtype, target, reason))
             new[i] = _promote(new[i], target, rule)
 
     def can_widen(i: int) -> bool:
-        return wider(new[i].dtype) is not None
+        return wider(i, new[i].dtype) is not None
 
     # 1. forward range: input-most
     forward_bad = [(i, r) for i in measured if (r := _forward_trouble(stats[i], rule))]
@@ -469,8 +528,10 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
         if i in troubled:
             continue
         s, dtype = stats[i], new[i].dtype
-        reason = None
-        if s.gradients and dtype == "float16" and s.fp16_subnormal > rule.max_fp16_subnormal:
+        reason = _float8_trouble(s, rule) if dtype == "float8" else None
+        if reason is not None:
+            pass
+        elif s.gradients and dtype == "float16" and s.fp16_subnormal > rule.max_fp16_subnormal:
             reason = "fp16_subnormal"
         elif s.gradients and dtype == "bfloat16" and s.bf16_subnormal > rule.max_bf16_subnormal:
             reason = "bf16_subnormal"
@@ -490,7 +551,7 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
                                              strikes=new[i].strikes + 1)
         else:
             for i in trials:
-                target = narrower(new[i].dtype)
+                target = narrower(i, new[i].dtype)
                 switches.append(Switch(i, new[i].dtype, target, "probe_validated"))
                 new[i] = LayerState(target, healthy=0, cooldown=rule.cooldown,
                                     switches=new[i].switches + 1, strikes=new[i].strikes)
@@ -518,11 +579,11 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
             new[i] = dataclasses.replace(st, healthy=0, cooldown=cooldown, trial=0)
             continue
         healthy = st.healthy + 1
-        target = narrower(st.dtype)
+        target = narrower(i, st.dtype)
         ready = (target is not None and cooldown == 0 and st.switches < rule.max_switches
                  and st.strikes < rule.max_strikes
                  and healthy >= rule.patience * 2**st.strikes
-                 and _fits(target, stats[i], rule))
+                 and _fits(target, stats[i], rule, floats[0]))
         if ready and not validate_demotions:
             switches.append(Switch(i, st.dtype, target, "healthy"))
             new[i] = LayerState(target, healthy=0, cooldown=rule.cooldown,

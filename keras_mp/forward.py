@@ -19,6 +19,9 @@ reduces them to a few numbers, inside the traced step:
 ``out_flushed``     fraction of output elements below the dtype's smallest
                     normal number but not zero: precision lost to
                     subnormals (or to zero, on hardware that flushes them).
+``f8_growth``,      float8 evidence of a float8-capable layer, recorded by
+``f8_saturated``,   :mod:`keras_mp.float8` (0 for other layers; see
+``f8_flushed``      :func:`with_float8`).
 ==================  ==========================================================
 
 The 0/1 fields become, accumulated over an interval, the fraction of the
@@ -28,7 +31,7 @@ Example:
     >>> import tensorflow as tf
     >>> from keras_mp.forward import FIELDS, layer_statistics
     >>> s = layer_statistics([tf.constant([1e5, 1.0])], [tf.constant([2.0, 1e-6])], "float16")
-    >>> dict(zip(FIELDS, [round(float(v), 3) for v in s]))
+    >>> {f: round(float(v), 3) for f, v in zip(FIELDS, s) if not f.startswith("f8")}
     {'in_amax': 100000.0, 'out_amax': 2.0, 'in_range': 1.0, 'out_nonfinite': 0.0, \
 'out_near_max': 0.0, 'out_flushed': 0.5}
 """
@@ -41,14 +44,19 @@ import keras
 import ml_dtypes
 import tensorflow as tf
 
-__all__ = ["FIELDS", "MAX_FIELDS", "NEAR_MAX", "dtype_max", "dtype_tiny", "floating_tensors",
-           "layer_statistics"]
+__all__ = ["FIELDS", "MAX_FIELDS", "MEAN_FIELDS", "FLOAT8_FIELDS", "NEAR_MAX", "dtype_max", "dtype_tiny",
+           "floating_tensors", "layer_statistics", "with_float8", "combine"]
 
 #: The forward statistics, in the order of :func:`layer_statistics`'s vector.
-FIELDS: tuple[str, ...] = ("in_amax", "out_amax", "in_range", "out_nonfinite", "out_near_max",
-                           "out_flushed")
-#: The fields accumulated by maximum (the others are summed, then averaged).
-MAX_FIELDS: tuple[str, ...] = ("in_amax", "out_amax")
+FIELDS: tuple[str, ...] = ("in_amax", "out_amax", "f8_growth", "in_range", "out_nonfinite",
+                           "out_near_max", "out_flushed", "f8_saturated", "f8_flushed")
+#: The fields accumulated by maximum, first in :data:`FIELDS` (the others
+#: are summed over the steps, then averaged).
+MAX_FIELDS: tuple[str, ...] = ("in_amax", "out_amax", "f8_growth")
+#: The fractions of elements (two calls of a layer in one step average them).
+MEAN_FIELDS: tuple[str, ...] = ("out_flushed", "f8_saturated", "f8_flushed")
+#: The float8 evidence fields (see :mod:`keras_mp.float8`).
+FLOAT8_FIELDS: tuple[str, ...] = ("f8_growth", "f8_saturated", "f8_flushed")
 #: An output within this factor of the dtype's largest finite value is near it.
 NEAR_MAX: float = 16.0
 
@@ -157,4 +165,23 @@ def layer_statistics(inputs: Sequence[tf.Tensor], outputs: Sequence[tf.Tensor],
         else:
             a = tf.abs(tf.cast(_sample(flat), tf.float32))
             out_flushed = tf.reduce_mean(tf.cast((a > 0.0) & (a < tiny), tf.float32))
-    return tf.stack([in_amax, out_amax, in_range, out_nonfinite, out_near, out_flushed])
+    values = {"in_amax": in_amax, "out_amax": out_amax, "in_range": in_range,
+              "out_nonfinite": out_nonfinite, "out_near_max": out_near,
+              "out_flushed": out_flushed}
+    return tf.stack([values.get(f, zero) for f in FIELDS])
+
+
+def with_float8(row: tf.Tensor, f8: tf.Tensor) -> tf.Tensor:
+    """``row`` (a :func:`layer_statistics` vector) with its float8 fields
+    set from ``f8`` (``[f8_growth, f8_saturated, f8_flushed]``)."""
+    parts = tf.unstack(row)
+    for k, name in enumerate(FLOAT8_FIELDS):
+        parts[FIELDS.index(name)] = f8[k]
+    return tf.stack(parts)
+
+
+def combine(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """Two calls of one layer in a step: the maximum of every field but the
+    fractions of elements (:data:`MEAN_FIELDS`), which are averaged."""
+    mean = tf.constant([f in MEAN_FIELDS for f in FIELDS])
+    return tf.where(mean, (a + b) / 2.0, tf.maximum(a, b))

@@ -4,9 +4,11 @@ Keras has no forward hooks, and the adaptive policy must not cost anything on
 the steps where it does not look. :class:`Hooks` wraps, per instance, three
 callables that Keras looks up when it traces a step:
 
-* each controlled layer's ``call``: on a statistics trace, records the
+* each controlled layer's ``call`` (``quantized_call`` for a float8-capable
+  layer, :mod:`keras_mp.float8`): on a statistics trace, records the
   layer's forward statistics (:mod:`keras_mp.forward`) and the order in which
-  layers are called (the forward order, input first);
+  layers are called (the forward order, input first); a float8-capable
+  layer's call also reports its float8 evidence, forward and backward;
 * the model's ``train_step``: on a probe trace, first runs the float32 probe
   (:mod:`keras_mp.probe`) on the same batch, applying nothing;
 * the optimizer's ``apply``, where the optimizer is not a
@@ -47,7 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 import keras
 import tensorflow as tf
 
-from keras_mp import forward, kernels
+from keras_mp import float8, forward, kernels
 
 __all__ = ["Hooks"]
 
@@ -138,14 +140,32 @@ class Hooks:
         outs = forward.floating_tensors(outputs)
         vec = forward.layer_statistics(inputs, outs, layer.compute_dtype)
         seen = self._slot().setdefault("forward", {})
-        seen[index] = vec if index not in seen else _combine(seen[index], vec)
+        seen[index] = vec if index not in seen else forward.combine(seen[index], vec)
+
+    def _recorder(self, index: int) -> Callable | None:
+        """Where a float8-capable layer's call reports its float8 evidence in
+        the step being traced, or None when nothing is recorded."""
+        if not (self.forward and _training()):
+            return None
+
+        def record(vec: tf.Tensor) -> None:
+            seen = self._slot().setdefault("float8", {})
+            seen[index] = vec if index not in seen else tf.maximum(seen[index], vec)
+        return record
 
     def _wrap_call(self, index: int, layer) -> None:
-        if getattr(layer, _CALL_ATTR, None) is not None:
-            original = getattr(layer, _CALL_ATTR)
+        # A float8-capable layer runs quantized_call (Keras dispatches on its
+        # policy's quantization mode), whether float8 is on or off.
+        name = "quantized_call" if float8.is_float8_layer(layer) else "call"
+        attr = f"{_CALL_ATTR}_{name}"
+        if getattr(layer, attr, None) is not None:
+            original = getattr(layer, attr)
         else:
-            original = layer.call
-            object.__setattr__(layer, _CALL_ATTR, original)
+            original = getattr(layer, name)
+            object.__setattr__(layer, attr, original)
+        if name == "quantized_call":
+            object.__setattr__(layer, float8.RECORDER_ATTR,
+                               functools.partial(self._recorder, index))
         hooks = self
 
         @functools.wraps(original)
@@ -160,7 +180,7 @@ class Hooks:
             return outputs
 
         # Not Keras's __setattr__: a function is not state to track.
-        object.__setattr__(layer, "call", call)
+        object.__setattr__(layer, name, call)
 
     def _wrap_train_step(self) -> None:
         model = self.model
@@ -210,18 +230,16 @@ class Hooks:
         if "forward" not in pending and "probe" not in pending:
             return None, None, None
         seen = pending.get("forward", {})
+        f8 = pending.get("float8", {})
         probe = pending.get("probe", None)
         if self._order:
             self.call_order = list(self._order)
         if not seen:
             return None, None, probe
         zeros = tf.zeros([len(forward.FIELDS)])
-        rows = tf.stack([seen.get(i, zeros) for i in range(len(self.layers))])
+        rows = [seen.get(i, zeros) for i in range(len(self.layers))]
+        rows = tf.stack([forward.with_float8(r, f8[i]) if i in f8 else r
+                         for i, r in enumerate(rows)])
         observed = tf.constant([1.0 if i in seen else 0.0 for i in range(len(self.layers))])
         return rows, observed, probe
 
-
-def _combine(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    """Two calls of one layer in a step: maxima of every field but the
-    flushed fraction, which is averaged."""
-    return tf.concat([tf.maximum(a[:-1], b[:-1]), (a[-1:] + b[-1:]) / 2.0], 0)

@@ -6,7 +6,10 @@ policy, every layer built afterwards holds it and looks its own path up in it
 whenever it needs its compute dtype, so changing an entry (and retracing the
 train step) changes that layer's precision. Variables always stay float32
 (master weights): each entry is ``float32``, ``mixed_bfloat16`` or
-``mixed_float16``.
+``mixed_float16``; with ``"float8"`` among the candidates, each ``Dense`` and
+``EinsumDense`` holds a :class:`keras_mp.float8.Float8Policy` instead, whose
+``active`` flag says whether it trains in float8 now (see
+:mod:`keras_mp.float8`).
 
 Besides the entries, the policy carries what the adaptive controller knows per
 layer (its state, its last statistics and its switch history), so that the
@@ -37,6 +40,7 @@ import keras
 from keras.dtype_policies import DTypePolicy, DTypePolicyMap
 
 from keras_mp import controller, device
+from keras_mp.float8 import Float8Policy, Float8Recipe
 
 __all__ = ["AdaptivePolicy", "ADAPTIVE_NAMES", "set_global_policy", "global_policy",
            "policy_scope", "get", "policy_of", "adaptive_layers"]
@@ -46,6 +50,7 @@ ADAPTIVE_NAMES: dict[str, tuple[str, ...] | None] = {
     "adaptive": None,
     "adaptive_bfloat16": ("bfloat16", "float32"),
     "adaptive_float16": ("float16", "float32"),
+    "adaptive_float8": ("float8", "bfloat16", "float32"),
 }
 _KERAS_FOR = {"float32": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 
@@ -68,10 +73,14 @@ class AdaptivePolicy(DTypePolicyMap):
     training among ``candidates``; variables stay float32.
 
     Args:
-        candidates: the allowed compute dtypes, from ``"float16"``,
-            ``"bfloat16"``, ``"float32"``; layers start in the narrowest.
+        candidates: the allowed compute dtypes, from ``"float8"``,
+            ``"float16"``, ``"bfloat16"``, ``"float32"``; layers start in the
+            narrowest they can use (``"float8"`` only for ``Dense`` and
+            ``EinsumDense``, which Keras trains in float8; the others start
+            in the narrowest of the rest, which must not be empty).
             None: the device's fast set (:func:`keras_mp.device.default_candidates`):
-            never float16 on a CPU without float16 units.
+            never float16 on a CPU without float16 units, float8 only on
+            GPUs with float8 units.
         rule: the :class:`keras_mp.controller.DecisionRule` (or its config
             dict) used by :class:`keras_mp.callbacks.AdaptivePrecision`.
         name: the policy's name; ``"adaptive"`` unless given.
@@ -83,6 +92,10 @@ class AdaptivePolicy(DTypePolicyMap):
             candidates. The adaptive controller never changes them.
         records: layer path -> what the controller recorded (``"state"``,
             ``"stats"``, ``"history"``), restored from a config.
+        float8_recipe: a :class:`keras_mp.float8.Float8Recipe` (or its
+            config) for the float8 layers; the defaults are Keras's.
+        float8: layer path -> dtype of each float8-capable layer (restored
+            from a config; :func:`keras_mp.float8.prepare` adds them).
 
     Example:
         >>> from keras_mp import AdaptivePolicy
@@ -101,10 +114,18 @@ class AdaptivePolicy(DTypePolicyMap):
                  name: str | None = None,
                  assignments: dict[str, str] | None = None,
                  policies: dict[str, Any] | None = None,
-                 records: dict[str, dict[str, Any]] | None = None):
+                 records: dict[str, dict[str, Any]] | None = None,
+                 float8_recipe: Float8Recipe | dict | None = None,
+                 float8: dict[str, str] | None = None):
         if candidates is None:
             candidates = device.default_candidates()
         self._candidates = controller.sort_candidates(candidates)
+        if isinstance(float8_recipe, dict):
+            float8_recipe = Float8Recipe.from_config(float8_recipe)
+        if float8_recipe is not None and not isinstance(float8_recipe, Float8Recipe):
+            raise TypeError("`float8_recipe` must be a keras_mp.float8.Float8Recipe, its config "
+                            f"dict or None, got {float8_recipe!r}.")
+        self.float8_recipe = float8_recipe or Float8Recipe()
         if isinstance(rule, dict):
             rule = controller.DecisionRule.from_config(rule)
         if rule is not None and not isinstance(rule, controller.DecisionRule):
@@ -114,7 +135,11 @@ class AdaptivePolicy(DTypePolicyMap):
         if name is not None and not isinstance(name, str):
             raise TypeError(f"`name` must be a string or None, got {name!r}.")
         self._adaptive_name = name or "adaptive"
-        super().__init__(default_policy=_keras_policy(self._candidates[0]))
+        super().__init__(default_policy=_keras_policy(self.float_candidates[0]))
+        if float8 is not None and not isinstance(float8, dict):
+            raise TypeError(f"`float8` must be a dict of layer path -> dtype, got {float8!r}.")
+        for path, dtype in (float8 or {}).items():
+            self.set_float8(path, dtype)
         for path, dtype in (assignments or {}).items():
             self.assign(path, dtype)
         if policies is not None and not isinstance(policies, dict):
@@ -139,6 +164,46 @@ class AdaptivePolicy(DTypePolicyMap):
         return self._candidates
 
     @property
+    def float_candidates(self) -> tuple[str, ...]:
+        """The candidates other than float8, narrowest first (what layers
+        that cannot train in float8 choose among)."""
+        return tuple(c for c in self._candidates if c != "float8")
+
+    def candidates_for(self, path: str) -> tuple[str, ...]:
+        """The candidates of the layer at ``path``: all of them for a
+        float8-capable layer, :attr:`float_candidates` for the others."""
+        return self._candidates if self.is_float8(path) else self.float_candidates
+
+    def is_float8(self, path: str) -> bool:
+        """Whether the layer at ``path`` is float8-capable (holds a
+        :class:`keras_mp.float8.Float8Policy`)."""
+        found = self._key_for(path)
+        return found is not None and isinstance(self._policy_map[found], Float8Policy)
+
+    def set_float8(self, path: str, dtype: str) -> None:
+        """Makes the layer at ``path`` float8-capable, computing in ``dtype``
+        (``"float8"``: active; another candidate: that dtype, float8 off).
+        Its variables come from Keras's ``layer.quantize("float8")`` (see
+        :func:`keras_mp.float8.prepare`)."""
+        if "float8" not in self._candidates:
+            raise ValueError(f"Cannot make {path!r} float8-capable: 'float8' is not among the "
+                             f"candidates {self._candidates}.")
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"`path` must be a non-empty layer path, got {path!r}.")
+        if dtype not in self._candidates:
+            raise ValueError(f"`dtype` must be one of the candidates {self._candidates}, "
+                             f"got {dtype!r}.")
+        old = self._key_for(path)
+        if old is not None:
+            del self[old]
+        self[path] = self._float8_entry(dtype)
+
+    def _float8_entry(self, dtype: str) -> Float8Policy:
+        source = self.float_candidates[0] if dtype == "float8" else dtype
+        return Float8Policy(source_name=_KERAS_FOR[source], active=dtype == "float8",
+                            **self.float8_recipe.get_config())
+
+    @property
     def uses_float16(self) -> bool:
         """Whether a layer may compute in float16, so loss scaling is needed."""
         return "float16" in self._candidates
@@ -157,9 +222,12 @@ class AdaptivePolicy(DTypePolicyMap):
         return hits[0] if len(hits) == 1 else None
 
     def __getitem__(self, key):
-        if key in self._override:
-            return _keras_policy(self._override[key])
         found = self._key_for(key)
+        if key in self._override:
+            dtype = self._override[key]
+            if found is not None and isinstance(self._policy_map[found], Float8Policy):
+                return self._float8_entry(dtype)
+            return _keras_policy(self.float_candidates[0] if dtype == "float8" else dtype)
         if found is not None:
             return self._policy_map[found]
         return super().__getitem__(key)
@@ -173,8 +241,12 @@ class AdaptivePolicy(DTypePolicyMap):
         return self.records[path]
 
     def dtype_of(self, path: str) -> str:
-        """The compute dtype of the layer at ``path``."""
-        return self[path].compute_dtype
+        """The adaptive dtype of the layer at ``path``: its compute dtype, or
+        ``"float8"`` for a layer training in float8."""
+        entry = self[path]
+        if isinstance(entry, Float8Policy) and entry.active:
+            return "float8"
+        return entry.compute_dtype
 
     def assign(self, path: str, dtype: str) -> None:
         """Sets the compute dtype of the layer at ``path`` (its next trace).
@@ -188,6 +260,13 @@ class AdaptivePolicy(DTypePolicyMap):
         if dtype not in self._candidates:
             raise ValueError(f"`dtype` must be one of the candidates {self._candidates}, "
                              f"got {dtype!r}.")
+        if self.is_float8(path):
+            self.set_float8(path, dtype)
+            return
+        if dtype == "float8":
+            raise ValueError(f"Cannot assign `dtype`='float8' to the layer at `path`={path!r}: "
+                             "only Dense and EinsumDense layers prepared by "
+                             "keras_mp.float8.prepare train in float8.")
         old = self._key_for(path)
         if old is not None:
             entry = self._policy_map[old]
@@ -197,7 +276,7 @@ class AdaptivePolicy(DTypePolicyMap):
                     f"quantized ({entry.name!r}); a quantized layer keeps its precision. "
                     "Reload the float model to change it.")
             del self[old]
-        if dtype != self._candidates[0]:
+        if dtype != self.float_candidates[0]:
             self[path] = _keras_policy(dtype)
 
     @contextlib.contextmanager
@@ -214,9 +293,10 @@ class AdaptivePolicy(DTypePolicyMap):
             >>> p.dtype_of("dense")
             'bfloat16'
         """
-        bad = {k: v for k, v in dtypes.items() if v not in _KERAS_FOR}
+        allowed = ("float8", *_KERAS_FOR)
+        bad = {k: v for k, v in dtypes.items() if v not in allowed}
         if bad:
-            raise ValueError(f"`dtypes` must map layer paths to one of {tuple(_KERAS_FOR)}, "
+            raise ValueError(f"`dtypes` must map layer paths to one of {allowed}, "
                              f"got {bad!r}.")
         old, self._override = self._override, {**self._override, **dtypes}
         try:
@@ -269,11 +349,17 @@ class AdaptivePolicy(DTypePolicyMap):
         return {path: policy.compute_dtype for path, policy in self._policy_map.items()
                 if self._is_assignment(policy)}
 
+    def float8_layers(self) -> dict[str, str]:
+        """Layer path -> adaptive dtype, for the float8-capable layers."""
+        return {path: "float8" if policy.active else policy.compute_dtype
+                for path, policy in self._policy_map.items()
+                if isinstance(policy, Float8Policy)}
+
     def policies(self) -> dict[str, DTypePolicy]:
         """Layer path -> entry, for every other entry (quantized layers, dtypes
         outside the candidates), which the adaptive controller leaves alone."""
         return {path: policy for path, policy in self._policy_map.items()
-                if not self._is_assignment(policy)}
+                if not self._is_assignment(policy) and not isinstance(policy, Float8Policy)}
 
     # -- serialization ---------------------------------------------------
 
@@ -288,6 +374,8 @@ class AdaptivePolicy(DTypePolicyMap):
             "policies": {path: keras.saving.serialize_keras_object(policy)
                          for path, policy in self.policies().items()},
             "records": copy.deepcopy(self.records),
+            "float8_recipe": self.float8_recipe.get_config(),
+            "float8": self.float8_layers(),
         }
 
     @classmethod
@@ -298,6 +386,7 @@ class AdaptivePolicy(DTypePolicyMap):
         others = {path: p.name for path, p in self.policies().items()}
         return (f"<AdaptivePolicy {self._adaptive_name!r} candidates={self._candidates} "
                 f"assignments={self.assignments()}" + (f" policies={others}" if others else "")
+                + (f" float8={self.float8_layers()}" if self.float8_layers() else "")
                 + ">")
 
 
@@ -426,7 +515,8 @@ def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.la
     including the sublayers of nested, subclassed and composite layers (such
     as ``MultiHeadAttention``'s projections and softmax). Left out: models
     (containers whose layers are listed instead), ``InputLayer`` and quantized
-    layers (their dtype belongs to the quantization).
+    layers (their dtype belongs to the quantization), except the
+    float8-capable layers the policy switches (:mod:`keras_mp.float8`).
 
     Example:
         >>> import keras, keras_mp
@@ -451,7 +541,7 @@ def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.la
         seen.add(id(layer))
         if isinstance(layer, (keras.Model, keras.layers.InputLayer)):
             continue
-        if layer.quantization_mode is not None:
+        if layer.quantization_mode is not None and not policy.is_float8(layer.path):
             continue
         out.append(layer)
     return out

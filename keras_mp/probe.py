@@ -59,7 +59,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp import policies
-from keras_mp.stats import variable_path
+from keras_mp.stats import learned_variables, variable_path
 
 __all__ = ["ProbeResult", "probe"]
 
@@ -140,7 +140,8 @@ def probe(model: keras.Model, data, policy: policies.AdaptivePolicy,
     if not isinstance(policy, policies.AdaptivePolicy):
         raise TypeError(f"`policy` must be a keras_mp.AdaptivePolicy, got {policy!r}.")
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    tvars = list(model.trainable_variables)
+    tvars = [v for v in model.trainable_variables
+             if not getattr(v, "overwrite_with_gradient", False)]
     scale = tf.cast(tf.convert_to_tensor(scale), tf.float32)
     with policy.overriding(dict(trial or {})):
         loss, grads = _loss_and_grads(model, x, y, sample_weight, scale, tvars)
@@ -153,7 +154,7 @@ def probe(model: keras.Model, data, policy: policies.AdaptivePolicy,
     n = len(layers)
     owner: dict[str, int] = {}
     for i, layer in enumerate(layers):
-        for v in layer._trainable_variables:
+        for v in learned_variables(layer):
             owner[variable_path(v)] = i
     seg = tf.constant([owner.get(variable_path(v), n) for v in tvars] or [n], tf.int32)
 
@@ -171,8 +172,7 @@ def probe(model: keras.Model, data, policy: policies.AdaptivePolicy,
     sums = [tf.math.unsorted_segment_sum(t, seg, n + 1)[:n]
             for t in (diff2, ref2, own2, dot, noise2)]
     diff2, ref2, own2, dot, noise2 = sums
-    measured = tf.constant([1.0 if any(v.trainable for v in layer._trainable_variables)
-                            else 0.0 for layer in layers])
+    measured = tf.constant([1.0 if learned_variables(layer) else 0.0 for layer in layers])
     grad_error = tf.sqrt(diff2) / tf.maximum(tf.sqrt(ref2), _TINY) * measured
     cosine = tf.where(measured > 0, dot / tf.maximum(tf.sqrt(own2 * ref2), _TINY), 1.0)
     loss_error = tf.abs(loss - loss32) / tf.maximum(tf.abs(loss32), _TINY)

@@ -48,6 +48,12 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
      "fraction of observed steps with an inf/nan output"),
     ("out_flushed", "out flushed", "forward",
      "fraction of output elements flushed to subnormals in the layer's dtype"),
+    ("f8_saturated", "f8 sat", "float8",
+     "float8 layers: fraction of operand elements clipped at the E4M3/E5M2 limits"),
+    ("f8_flushed", "f8 flushed", "float8",
+     "float8 layers: fraction of non-zero operand elements below the format's normal range"),
+    ("f8_growth", "f8 growth", "float8",
+     "float8 layers: largest amax growth over the amax history"),
     ("grad_error", "probe err", "probe",
      "float32 probe: relative error of the layer's gradient in its dtype vs float32"),
     ("cosine", "probe cos", "probe", "float32 probe: cosine of the gradient vs float32"),
@@ -65,10 +71,11 @@ def _cell(value: Any) -> str:
 def _measured(stats: dict[str, Any] | None) -> dict[str, bool]:
     """Which evidence the last interval collected for a layer."""
     if not stats:
-        return {"gradients": False, "forward": False, "probe": False}
+        return {"gradients": False, "forward": False, "probe": False, "float8": False}
     return {"gradients": bool(stats.get("gradients", True)) and stats.get("steps", 0) > 0,
             "forward": stats.get("forward_steps", 0) > 0,
-            "probe": stats.get("probe_steps", 0) > 0}
+            "probe": stats.get("probe_steps", 0) > 0,
+            "float8": stats.get("forward_steps", 0) > 0 and bool(stats.get("float8"))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +87,12 @@ class PrecisionReport:
         candidates: the adaptive candidates, or ``()``.
         rows: one dict per controlled layer (every layer that computes, with
             or without weights): ``layer`` (path), ``class``,
+            ``dtype`` (the adaptive dtype: ``"float8"`` for a layer
+            training in float8, else its compute dtype),
             ``compute_dtype``, ``variable_dtype``, ``stats`` (the last
             interval's evidence, or None), ``measured`` (which evidence that
-            interval collected: ``gradients``, ``forward``, ``probe``),
+            interval collected: ``gradients``, ``forward``, ``probe``,
+            ``float8``),
             ``probe`` (the last probe's errors and whether they mark the layer
             sensitive, or None), ``state`` (the controller's, or None),
             ``switches`` and ``history`` (switch dicts with ``step``, ``old``,
@@ -99,23 +109,28 @@ class PrecisionReport:
                 "layers": [dict(r) for r in self.rows]}
 
     def dtypes(self) -> dict[str, str]:
-        """Layer path -> compute dtype."""
-        return {r["layer"]: r["compute_dtype"] for r in self.rows}
+        """Layer path -> adaptive dtype (``"float8"`` or the compute dtype)."""
+        return {r["layer"]: r["dtype"] for r in self.rows}
+
+    def _columns(self):
+        # The float8 columns only where float8 is a candidate.
+        return [c for c in COLUMNS if c[2] != "float8" or "float8" in self.candidates]
 
     def __str__(self) -> str:
         head = f"policy: {self.policy}"
         if self.candidates:
             head += f", candidates: {', '.join(self.candidates)}"
-        cols = ["layer", "class", "dtype", *(c[1] for c in COLUMNS), "switches", "history"]
+        columns = self._columns()
+        cols = ["layer", "class", "dtype", *(c[1] for c in columns), "switches", "history"]
         lines = [head, "| " + " | ".join(cols) + " |",
-                 "| --- | --- | --- |" + " ---: |" * (len(COLUMNS) + 1) + " --- |"]
+                 "| --- | --- | --- |" + " ---: |" * (len(columns) + 1) + " --- |"]
         for r in self.rows:
             stats, measured = r["stats"] or {}, r["measured"]
             history = ", ".join(f"{h['old']}->{h['new']}@{h['step']} ({h['reason']})"
                                 for h in r["history"])
-            cells = [r["layer"], r["class"], r["compute_dtype"],
+            cells = [r["layer"], r["class"], r["dtype"],
                      *(_cell(stats.get(key) if measured[kind] else None)
-                       for key, _, kind, _ in COLUMNS),
+                       for key, _, kind, _ in columns),
                      str(r["switches"]), history]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
@@ -123,7 +138,7 @@ class PrecisionReport:
     def legend(self) -> str:
         """What each column means (``n/m``: not measured in the last interval:
         a layer without weights has no gradients, the probe had not run, ...)."""
-        rows = [f"- {title}: {text}" for _, title, _, text in COLUMNS]
+        rows = [f"- {title}: {text}" for _, title, _, text in self._columns()]
         rows += ["- switches: dtype changes so far; history: old->new@call (reason)",
                  f"- {NOT_MEASURED}: not measured (no weights, no probe yet, or no statistics "
                  "step since the last decision)"]
@@ -164,9 +179,13 @@ def precision_report(model: keras.Model) -> PrecisionReport:
         layer, record = layers[i], records[i]
         state = record.get("state")
         stats = dict(record["stats"]) if record.get("stats") else None
+        float8_capable = policy is not None and policy.is_float8(layer.path)
+        if stats is not None:
+            stats["float8"] = float8_capable
         rows.append({
             "layer": layer.path or layer.name,
             "class": type(layer).__name__,
+            "dtype": policy.dtype_of(layer.path) if policy is not None else layer.compute_dtype,
             "compute_dtype": layer.compute_dtype,
             "variable_dtype": layer.variable_dtype,
             "stats": stats,

@@ -59,7 +59,8 @@ import tensorflow as tf
 from keras_mp import forward, kernels
 from keras_mp.controller import LayerStats
 
-__all__ = ["FRACTIONS", "IntervalStats", "LayerStatistics", "agree", "variable_path"]
+__all__ = ["FRACTIONS", "IntervalStats", "LayerStatistics", "agree", "learned_variables",
+           "variable_path"]
 
 #: The statistics that are fractions of elements (averaged, not maxed).
 FRACTIONS: tuple[str, ...] = ("fp16_underflow", "fp16_subnormal", "fp16_overflow",
@@ -73,6 +74,14 @@ def variable_path(variable) -> str:
         raise TypeError(f"`variable` must be a Keras or TensorFlow variable, got {variable!r} "
                         f"of type {type(variable).__name__}.")
     return path
+
+
+def learned_variables(layer: keras.layers.Layer) -> list:
+    """``layer``'s trainable variables that gradients update: without the
+    float8 scaling state that Keras's optimizer overwrites with new values
+    (``overwrite_with_gradient``), whose "gradients" are not gradients."""
+    return [v for v in layer._trainable_variables
+            if v.trainable and not getattr(v, "overwrite_with_gradient", False)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,10 +194,10 @@ class LayerStatistics(keras.layers.Layer):
         self.scale_floor = scale_floor
         self._owner: dict[str, int] = {}
         for i, layer in enumerate(layers):
-            for v in layer._trainable_variables:
+            for v in learned_variables(layer):
                 self._owner[variable_path(v)] = i
         self.has_gradients: tuple[bool, ...] = tuple(
-            any(v.trainable for v in layer._trainable_variables) for layer in layers)
+            bool(learned_variables(layer)) for layer in layers)
         object.__setattr__(self, "hooks", None)  # not tracked: no state of ours
         n = len(layers)
         # Replicas hold identical values after the all-reduce in `accumulate`,

@@ -45,7 +45,8 @@ def test_report_after_a_switch_has_dtypes_statistics_and_history():
     assert set(first["stats"]) >= {"nonfinite", "amax", "fp16_subnormal", "zero", "in_amax",
                                    "out_amax", "in_range", "out_flushed", "grad_error"}
     assert first["stats"]["in_amax"] == 7e4
-    assert relu["measured"] == {"gradients": False, "forward": True, "probe": False}
+    assert relu["measured"] == {"gradients": False, "forward": True, "probe": False,
+                                "float8": False}
     assert first["measured"]["gradients"] and first["measured"]["forward"]
     text = str(r)
     assert "float16->float32@2 (input_range)" in text
