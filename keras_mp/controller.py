@@ -29,12 +29,13 @@ the next interval re-checks):
    only at the scale's floor).
 3. **Local trouble.** A float8 layer whose operands (inputs, kernel,
    output gradient) were clipped at the E4M3/E5M2 limits in more than
-   ``max_float8_saturated`` of their elements (``float8_saturated``), fell
-   below the format's normal range in more than ``max_float8_flushed`` of
-   their non-zero elements (``float8_flushed``: typically an outlier that
-   set the per-tensor scale), or whose amax grew more than
-   ``max_float8_growth`` times over its history (``float8_amax_growth``) is
-   promoted. **Underflow**: a float16 layer whose scaled gradients are float16
+   ``max_float8_saturated`` of their elements (``float8_saturated``), or
+   rounded to zero in more than ``max_float8_flushed`` of their non-zero
+   elements (``float8_flushed``: typically an outlier that set the per-tensor
+   scale) is promoted; an amax that grew more than ``max_float8_growth``
+   times over its history (the scale lags) keeps a layer from being demoted
+   into float8 but does not by itself promote (the clipping it causes is
+   what harms, and is counted). **Underflow**: a float16 layer whose scaled gradients are float16
    subnormals in more than ``max_fp16_subnormal`` of their elements, a
    bfloat16 layer with more than ``max_bf16_subnormal`` below bfloat16's
    normal range (``fp16_subnormal``, ``bf16_subnormal``), or a narrow layer
@@ -61,7 +62,10 @@ the next interval re-checks):
    reaches every layer below it (their relative errors are no guide: the
    output layer's own gradient often shows the smallest). If only gradients
    are off, the output-most narrow layer among them is promoted. The next
-   probe re-checks.
+   probe re-checks. While a float8 layer takes part in the probe (in float8
+   or on trial into it), the loss error is not used: float8's own
+   quantization noise moves the loss wherever it runs, so only gradient
+   errors (and rules 1-3) decide.
 
 Never oscillating: a switch starts a ``cooldown`` of intervals without
 demotion; a layer with ``max_strikes`` strikes (promotions and failed trials)
@@ -149,10 +153,10 @@ class DecisionRule:
             subnormals above which it is promoted.
         max_float8_saturated: fraction of a float8 layer's operand elements
             clipped at the format's largest value above which it is promoted.
-        max_float8_flushed: fraction of its non-zero operand elements below
-            the format's smallest normal value above which it is promoted.
+        max_float8_flushed: fraction of its non-zero operand elements
+            rounded to zero above which it is promoted.
         max_float8_growth: growth of an operand's amax over its amax
-            history above which it is promoted (> 1).
+            history above which a layer is not demoted into float8 (> 1).
         max_probe_loss_error: the probe's loss relative error (configured
             dtypes vs float32) above which rounding costs accuracy.
         max_probe_grad_error: a layer's gradient relative error in the probe
@@ -241,8 +245,8 @@ class LayerStats:
             fraction: of output elements, averaged).
         f8_growth, f8_saturated, f8_flushed: float8 evidence (see
             :mod:`keras_mp.float8`): the largest amax growth over the
-            history, and fractions of operand elements clipped / below the
-            normal range, averaged over the observed steps; measured as if in
+            history, and fractions of operand elements clipped / rounded to
+            zero, averaged over the observed steps; measured as if in
             float8 while a float8-capable layer runs wider.
         probe_steps: float32 probes in the interval that measured this layer.
         grad_error: mean relative error of its gradient in the probe.
@@ -358,8 +362,6 @@ def _float8_trouble(s: LayerStats, rule: DecisionRule, margin: float = 1.0) -> s
         return "float8_saturated"
     if s.f8_flushed > margin * rule.max_float8_flushed:
         return "float8_flushed"
-    if s.f8_growth > max(1.0, margin * rule.max_float8_growth):
-        return "float8_amax_growth"
     return None
 
 
@@ -367,7 +369,8 @@ def _fits(dtype: str, s: LayerStats, rule: DecisionRule, base: str = "bfloat16")
     """Whether a layer with statistics ``s`` would be healthy in ``dtype``
     (a float8 layer computes in ``base``), with the hysteresis margin."""
     if dtype == "float8":
-        return _float8_trouble(s, rule, rule.hysteresis) is None and _fits(base, s, rule)
+        return (_float8_trouble(s, rule, rule.hysteresis) is None
+                and s.f8_growth <= rule.max_float8_growth and _fits(base, s, rule))
     if s.forward_steps:
         limit = rule.hysteresis * _DTYPE_MAX[dtype] / _NEAR_MAX
         if s.in_range > 0 or s.out_nonfinite > 0 or max(s.in_amax, s.out_amax) > limit:
@@ -543,6 +546,12 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
     # 5. probe: trials first, then rounding trouble
     trials = [i for i, st in enumerate(new) if st.trial]
     validated: set[int] = set()
+    # float8's own quantization noise moves the loss wherever it runs (3
+    # mantissa bits), so with a float8 layer in the probe the loss error
+    # localizes nothing: layers are then judged by their gradient errors.
+    if any(st.dtype == "float8" or (st.trial and narrower(i, st.dtype) == "float8")
+           for i, st in enumerate(states)):
+        probe_loss_error = 0.0
     if probe_steps > 0 and trials:
         if troubled or _probe_bad(stats, probe_loss_error, probe_loss_noise_ratio, rule,
                                   rule.hysteresis):

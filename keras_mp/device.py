@@ -7,12 +7,17 @@ do the opposite. Two sources of evidence are combined:
 
 * hardware: on CPU the flags in ``/proc/cpuinfo`` (``amx_bf16``,
   ``avx512_bf16`` for bfloat16; ``amx_fp16``, ``avx512_fp16`` for float16);
-  on GPU the compute capability (float16 from 7.0, bfloat16 from 8.0);
+  on GPU the compute capability (float16 from 7.0, bfloat16 from 8.0,
+  float8 from 8.9: Ada and Hopper have float8 tensor cores);
 * a micro-benchmark: a small matmul timed in each dtype (a few milliseconds),
   which catches a missing kernel or library that the flags cannot show.
 
 A dtype is *fast* when the hardware supports it and the measurement does not
-contradict it (at least ``0.9x`` float32's throughput). A measurement alone
+contradict it (at least ``0.9x`` float32's throughput). float8 has no
+TensorFlow matmul kernel to time: XLA turns Keras's quantize-dequantize
+pattern into float8 GEMMs on GPUs with float8 units, so it counts as fast
+where the hardware has them and bfloat16 is fast (never on a CPU, where it is
+emulated; ``python -m benchmarks.float8_gpu`` measures it on a GPU). A measurement alone
 never makes a dtype fast: on a shared machine a small matmul is noisy, and an
 emulated float16 that happens to time well on a tiny matmul is still slow in
 the elementwise ops around it.
@@ -101,15 +106,17 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
 def _hardware(device_type: str, flags: Iterable[str]) -> dict[str, bool]:
     flags = set(flags)
     if device_type == "CPU":
-        return {d: any(f in flags for f in names) for d, names in _CPU_FLAGS.items()}
+        out = {d: any(f in flags for f in names) for d, names in _CPU_FLAGS.items()}
+        return {**out, "float8": False}
     if device_type == "TPU":
-        return {"bfloat16": True, "float16": False}
+        return {"bfloat16": True, "float16": False, "float8": False}
     major, minor = 0, 0
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         details = tf.config.experimental.get_device_details(gpus[0])
         major, minor = details.get("compute_capability", (0, 0)) or (0, 0)
-    return {"bfloat16": (major, minor) >= (8, 0), "float16": (major, minor) >= (7, 0)}
+    return {"bfloat16": (major, minor) >= (8, 0), "float16": (major, minor) >= (7, 0),
+            "float8": (major, minor) >= (8, 9)}
 
 
 def _measure(device_type: str, n: int, repeats: int) -> dict[str, float]:
@@ -204,7 +211,8 @@ def default_candidates(device_type: str | None = None) -> tuple[str, ...]:
     narrow dtype of this device, then float32.
 
     bfloat16 is preferred when both are fast: it needs no loss scaling and
-    has float32's range. Where neither is fast the answer is
+    has float32's range. float8 comes first where the device has float8
+    units (Dense and EinsumDense layers only; see :mod:`keras_mp.float8`). Where neither is fast the answer is
     ``("float32",)`` and the adaptive policy is plain float32, which is the
     fastest choice there.
 
@@ -213,6 +221,8 @@ def default_candidates(device_type: str | None = None) -> tuple[str, ...]:
         'float32'
     """
     fast = fast_dtypes(device_type)
+    if "bfloat16" in fast and profile(device_type).hardware.get("float8"):
+        return ("float8", "bfloat16", "float32")
     if "bfloat16" in fast:
         return ("bfloat16", "float32")
     if "float16" in fast:

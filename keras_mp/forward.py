@@ -45,7 +45,7 @@ import ml_dtypes
 import tensorflow as tf
 
 __all__ = ["FIELDS", "MAX_FIELDS", "MEAN_FIELDS", "FLOAT8_FIELDS", "NEAR_MAX", "dtype_max", "dtype_tiny",
-           "floating_tensors", "layer_statistics", "with_float8", "combine"]
+           "floating_tensors", "layer_statistics"]
 
 #: The forward statistics, in the order of :func:`layer_statistics`'s vector.
 FIELDS: tuple[str, ...] = ("in_amax", "out_amax", "f8_growth", "in_range", "out_nonfinite",

@@ -51,7 +51,7 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     ("f8_saturated", "f8 sat", "float8",
      "float8 layers: fraction of operand elements clipped at the E4M3/E5M2 limits"),
     ("f8_flushed", "f8 flushed", "float8",
-     "float8 layers: fraction of non-zero operand elements below the format's normal range"),
+     "float8 layers: fraction of non-zero operand elements rounded to zero"),
     ("f8_growth", "f8 growth", "float8",
      "float8 layers: largest amax growth over the amax history"),
     ("grad_error", "probe err", "probe",

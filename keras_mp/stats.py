@@ -80,6 +80,9 @@ def learned_variables(layer: keras.layers.Layer) -> list:
     """``layer``'s trainable variables that gradients update: without the
     float8 scaling state that Keras's optimizer overwrites with new values
     (``overwrite_with_gradient``), whose "gradients" are not gradients."""
+    if not isinstance(layer, keras.layers.Layer):
+        raise TypeError(f"`layer` must be a Keras layer, got {layer!r} of type "
+                        f"{type(layer).__name__}.")
     return [v for v in layer._trainable_variables
             if v.trainable and not getattr(v, "overwrite_with_gradient", False)]
 

@@ -21,13 +21,13 @@ import tensorflow as tf
 
 import keras_mp
 from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device,
-                      distribute, execution, export, forward, hooks, kernels, layers, loss_scale,
+                      distribute, execution, export, float8, forward, hooks, kernels, layers, loss_scale,
                       ops, optimizer, policies, precision_state, probe, quantization, report,
                       stats, tuning, xla)
 from keras_mp.fuse import fuse as fuse_model
 
 MODULES = ["autofit", "callbacks", "cli", "controller", "datasets", "demo", "deploy_demo",
-           "device", "distribute", "execution", "export", "forward", "fuse", "hooks", "kernels",
+           "device", "distribute", "execution", "export", "float8", "forward", "fuse", "hooks", "kernels",
            "layers", "loss_scale", "ops", "optimizer", "policies", "precision_state", "probe",
            "quantization", "report", "stats", "tuning", "xla"]
 
@@ -39,7 +39,7 @@ NO_ARGUMENTS = {
     "policies.global_policy", "xla.cpu_has_bf16_matmul", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "loss_scale.LossScaleSchedule",  # abstract base: no arguments
-    "autofit.enabled", "autofit.install",
+    "autofit.enabled", "autofit.install", "float8.install",
     "forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "quantization.patch_quantize", "quantization.unpatch_quantize",
 }
@@ -251,6 +251,27 @@ CASES = [
     # float16 candidates with an int8 entry: incompatible
     ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("float16", "float32"), assignments={"dense": "int8"}), ValueError, "`dtype`"),
+    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float8",)), ValueError,
+     "`candidates`"),
+    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8_recipe=3), TypeError,
+     "`float8_recipe`"),
+    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8=3), TypeError, "`float8`"),
+    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+        ("bfloat16", "float32")).assign("dense", "float8"), ValueError, "`dtype`"),
+    ("float8.Float8Recipe", lambda: float8.Float8Recipe(margin=-1), ValueError, "`margin`"),
+    ("float8.Float8Recipe", lambda: float8.Float8Recipe(amax_history_length=0), ValueError,
+     "`amax_history_length`"),
+    ("float8.Float8Recipe", lambda: float8.Float8Recipe(amax_compute_algo="min"), ValueError,
+     "`amax_compute_algo`"),
+    ("float8.Float8Policy", lambda: float8.Float8Policy(source_name="int8"), ValueError,
+     "`source_name`"),
+    ("float8.Float8Policy", lambda: float8.Float8Policy(source_name="float32", active="yes"),
+     TypeError, "`active`"),
+    ("float8.eligible", lambda: float8.eligible("dense"), TypeError, "`layer`"),
+    ("float8.is_float8_layer", lambda: float8.is_float8_layer(3), TypeError, "`layer`"),
+    ("float8.prepare", lambda: float8.prepare(_model()), ValueError, "`model`"),
+    ("float8.prepare", lambda: float8.prepare("model"), TypeError, "`model`"),
+    ("stats.learned_variables", lambda: stats.learned_variables("dense"), TypeError, "`layer`"),
     ("policies.get", lambda: policies.get("adaptive_int8"), ValueError, "`policy`"),
     ("policies.set_global_policy", lambda: policies.set_global_policy("fp8"), ValueError,
      "`policy`"),
