@@ -46,7 +46,7 @@ Example:
     ...                               keras.layers.ReLU(), keras.layers.Dense(1)])
     >>> [layer.name for layer in float8.prepare(model)]
     ['dense', 'dense_1']
-    >>> p.dtype_of(model.layers[0].path), model.layers[0].dtype_policy.name
+    >>> p.dtype_of(model.layers[0].path), p[model.layers[0].path].name
     ('float8', 'float8_from_mixed_bfloat16')
     >>> model(np.ones((2, 4))).dtype.name
     'bfloat16'

@@ -36,7 +36,7 @@ Example (what a statistics trace records):
     ...         model(x, training=True)
     ...         return hooks.take()[0]
     >>> step(tf.ones([4, 2])).shape.as_list(), hooks.call_order
-    ([2, 6], [0, 1])
+    ([2, 9], [0, 1])
 """
 
 from __future__ import annotations

@@ -262,3 +262,13 @@ def test_a_healthy_model_stays_in_float8():
     assert set(policy.float8_layers().values()) == {"float8"}
     assert len(policy.float8_layers()) == 4
     assert not any(policy.record(p).get("history") for p in policy.float8_layers())
+
+
+def test_gpu_script_says_why_it_skips_without_float8_units(capsys):
+    from benchmarks import float8_gpu
+
+    usable, what = float8_gpu.float8_gpu()
+    if usable:
+        pytest.skip(f"this machine has float8 units: {what}")
+    assert float8_gpu.main([]) == 0
+    assert "float8 benchmark skipped" in capsys.readouterr().out
