@@ -66,8 +66,8 @@ from keras.dtype_policies import DTypePolicyMap, QuantizedFloat8DTypePolicy
 
 from keras_mp import forward
 
-__all__ = ["Float8Recipe", "Float8Policy", "FIELDS", "ELIGIBLE", "eligible", "is_float8_layer",
-           "prepare", "install"]
+__all__ = ["Float8Recipe", "Float8Policy", "FIELDS", "ELIGIBLE", "VARIABLES", "eligible",
+           "is_float8_layer", "prepare", "release", "install"]
 
 #: The formats and their limits: E4M3 (forward) and E5M2 (gradients).
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
@@ -81,6 +81,10 @@ WARMUP = 16
 _ZERO = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
 #: The float8 statistics (see the module docstring), in the order recorded.
 FIELDS: tuple[str, ...] = forward.FLOAT8_FIELDS
+#: Keras's float8 variables of a layer (its delayed-scaling state).
+VARIABLES: tuple[str, ...] = ("inputs_scale", "inputs_amax_history", "kernel_scale",
+                              "kernel_amax_history", "outputs_grad_scale",
+                              "outputs_grad_amax_history")
 #: The layer types Keras trains in float8.
 ELIGIBLE: tuple[type, ...] = (keras.layers.Dense, keras.layers.EinsumDense)
 _ALGOS = ("max", "most_recent")
@@ -281,6 +285,51 @@ def prepare(model: keras.Model, policy=None) -> list[keras.layers.Layer]:
     return done
 
 
+def release(layer: keras.layers.Layer) -> str:
+    """Turns a float8-capable layer back into a plain float layer, for
+    deployment after training: its float8 variables are dropped and it
+    computes in its float source dtype from now on (the float8 quantization
+    was a training device; a layer that trained in float8 predicts in
+    bfloat16 afterwards). Keras's ``quantize`` (int8, int4, ...) and
+    :func:`keras_mp.quantize` call it on such layers first.
+
+    Args:
+        layer: a layer for which :func:`is_float8_layer` holds.
+
+    Returns:
+        The dtype it computes in now.
+
+    Example:
+        >>> import keras, keras_mp
+        >>> p = keras_mp.AdaptivePolicy(candidates=("float8", "bfloat16", "float32"))
+        >>> with keras_mp.policy_scope(p):
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> _ = prepare(model)
+        >>> layer = model.layers[0]
+        >>> release(layer), len(layer.weights), is_float8_layer(layer)
+        ('bfloat16', 2, False)
+    """
+    from keras_mp import policies
+
+    if not is_float8_layer(layer):
+        raise ValueError(f"`layer` must be a float8-capable layer (see keras_mp.float8.prepare), "
+                         f"got {layer!r} with policy {_entry(layer)!r}.")
+    policy = layer._dtype_policy
+    dtype = _entry(layer).compute_dtype
+    layer._tracker.unlock()
+    try:
+        for name in VARIABLES:
+            delattr(layer, name)
+    finally:
+        layer._tracker.lock()
+    layer._is_quantized = False
+    if isinstance(policy, policies.AdaptivePolicy):
+        policy.release_float8(layer.path, dtype)
+    else:  # a layer handed its own Float8Policy
+        layer._dtype_policy = keras.dtype_policies.get(_entry(layer)._source_name)
+    return dtype
+
+
 # -- the call ----------------------------------------------------------------
 
 
@@ -385,11 +434,13 @@ def _call(layer, inputs, training=None):
     record = recorder() if recorder is not None else None
     # Read, not the variables: a custom gradient must not see variables
     # reads inside it (the gradients flow back through the reads).
-    v = [_read(x) for x in (
-        layer.inputs_scale, layer.inputs_amax_history, layer.kernel_scale,
-        layer.kernel_amax_history, layer.outputs_grad_scale, layer.outputs_grad_amax_history)]
-    if not training or not (policy.active or record is not None):
-        # Inference, or computing wider on a step without statistics: the
+    v = [_read(getattr(layer, name)) for name in VARIABLES]
+    if not training and policy.active:
+        # Inference in float8: Keras's call (quantized with the current
+        # scales, nothing updated).
+        return _installed[type(layer)](layer, inputs, training=training)
+    if not (policy.active or (training and record is not None)):
+        # Computing wider, on a step without statistics or in inference: the
         # source dtype's call; float8 state untouched.
         x = type(layer).call(layer, inputs, training=training)
         return _keep(x, *v) if training else x

@@ -198,6 +198,17 @@ class AdaptivePolicy(DTypePolicyMap):
             del self[old]
         self[path] = self._float8_entry(dtype)
 
+    def release_float8(self, path: str, dtype: str) -> None:
+        """The layer at ``path`` is no longer float8-capable: it computes in
+        ``dtype`` (one of :attr:`float_candidates`) under a plain entry (see
+        :func:`keras_mp.float8.release`)."""
+        if not self.is_float8(path):
+            raise ValueError(f"`path` {path!r} is not a float8-capable layer of this policy.")
+        if dtype not in self.float_candidates:
+            raise ValueError(f"`dtype` must be one of {self.float_candidates}, got {dtype!r}.")
+        del self[self._key_for(path)]
+        self.assign(path, dtype)
+
     def _float8_entry(self, dtype: str) -> Float8Policy:
         source = self.float_candidates[0] if dtype == "float8" else dtype
         return Float8Policy(source_name=_KERAS_FOR[source], active=dtype == "float8",

@@ -49,6 +49,7 @@ from typing import Any
 import keras
 from keras.src.dtype_policies import QUANTIZATION_MODES  # no public name
 
+from keras_mp import float8
 from keras_mp.policies import AdaptivePolicy, policy_of
 
 __all__ = ["MODES", "patch_quantize", "plan", "quantize", "quantizable"]
@@ -62,7 +63,7 @@ _DATA_FREE = ("int8", "float8", "int4")
 _MARK = "_keras_mp_quantize_fix"
 _lock = threading.Lock()
 _originals: dict[type, Callable] = {}
-_WIDTH = {"float16": 0, "bfloat16": 1, "float32": 2}
+_WIDTH = {"float8": -1, "float16": 0, "bfloat16": 1, "float32": 2}
 
 
 def _quantizable_classes() -> list[type]:
@@ -94,6 +95,20 @@ def _with_own_entry(original: Callable) -> Callable:
     return quantize
 
 
+def _release_float8_first(original: Callable) -> Callable:
+    # Keras checks "already quantized" in a per-instance wrapper, before the
+    # layer's quantize runs: a layer keras-mp trained in float8 becomes a
+    # float layer first (float8.release), then Keras quantizes it.
+    @functools.wraps(original)
+    def check(self, mode, compute_dtype):
+        if (getattr(self, "_is_quantized", False) and float8.is_float8_layer(self)
+                and isinstance(self.__dict__.get("_dtype_policy"), AdaptivePolicy)):
+            float8.release(self)
+        return original(self, mode, compute_dtype)
+    setattr(check, _MARK, True)
+    return check
+
+
 def patch_quantize() -> tuple[str, ...]:
     """Lets Keras quantize layers that hold an :class:`~keras_mp.AdaptivePolicy`
     (see the module docstring). Idempotent; ``import keras_mp`` calls it.
@@ -108,14 +123,21 @@ def patch_quantize() -> tuple[str, ...]:
                 continue
             _originals[cls] = current
             cls.quantize = _with_own_entry(current)
-        return tuple(cls.__name__ for cls in _originals)
+        check = keras.layers.Layer._check_quantize_args
+        if not getattr(check, _MARK, False):
+            _originals[keras.layers.Layer] = check
+            keras.layers.Layer._check_quantize_args = _release_float8_first(check)
+        return tuple(cls.__name__ for cls in _originals if cls is not keras.layers.Layer)
 
 
 def unpatch_quantize() -> None:
     """Puts Keras's own ``quantize`` methods back (for tests)."""
     with _lock:
         for cls, original in list(_originals.items()):
-            cls.quantize = original
+            if cls is keras.layers.Layer:
+                cls._check_quantize_args = original
+            else:
+                cls.quantize = original
             del _originals[cls]
 
 
@@ -128,6 +150,8 @@ def quantizable(layer: keras.layers.Layer, mode: str = "int8") -> bool:
 
 
 def _supported(layer: keras.layers.Layer) -> bool:
+    if float8.is_float8_layer(layer) and isinstance(layer._dtype_policy, AdaptivePolicy):
+        return layer.built  # released to float first (see patch_quantize)
     return (isinstance(layer, tuple(_quantizable_classes())) and layer.built
             and layer.quantization_mode is None and not getattr(layer, "_is_quantized", False))
 
@@ -240,6 +264,9 @@ def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = ()
         config: a ``keras.quantizers.QuantizationConfig`` for ``mode``, passed
             on to Keras.
 
+    Layers that trained in float8 under keras-mp become plain float layers
+    first (:func:`keras_mp.float8.release`), quantized or kept.
+
     Keras refuses int8 on a layer that computes in float16 (an
     ``adaptive_float16`` layer that was never promoted): in int8 mode such a
     layer is quantized from float32 (``int8_from_float32``).
@@ -255,6 +282,9 @@ def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = ()
         raise ValueError(f"`mode`={mode!r} needs `config` (a keras.quantizers config with "
                          "calibration data); data-free modes: " + ", ".join(_DATA_FREE) + ".")
     chosen = {path for path, what in decisions.items() if what == "quantize"}
+    for layer in model._flatten_layers(include_self=False):
+        if float8.is_float8_layer(layer) and isinstance(layer._dtype_policy, AdaptivePolicy):
+            float8.release(layer)  # float8 was for training; kept layers stay plain float
     if mode == "int8":
         # Keras refuses int8 on a float16-computing layer: quantize those from float32.
         for layer in model._flatten_layers(include_self=False):

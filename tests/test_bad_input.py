@@ -270,6 +270,7 @@ CASES = [
     ("float8.eligible", lambda: float8.eligible("dense"), TypeError, "`layer`"),
     ("float8.is_float8_layer", lambda: float8.is_float8_layer(3), TypeError, "`layer`"),
     ("float8.prepare", lambda: float8.prepare(_model()), ValueError, "`model`"),
+    ("float8.release", lambda: float8.release(_model().layers[0]), ValueError, "`layer`"),
     ("float8.prepare", lambda: float8.prepare("model"), TypeError, "`model`"),
     ("stats.learned_variables", lambda: stats.learned_variables("dense"), TypeError, "`layer`"),
     ("policies.get", lambda: policies.get("adaptive_int8"), ValueError, "`policy`"),

@@ -73,6 +73,17 @@ def test_active_call_is_keras_float8_bit_for_bit(layer_fn, shape):
     for a, b, v in zip(ours_g, theirs_g, layer.trainable_variables):
         assert a is not None and b is not None, v.path
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=v.path)
+    # inference: quantized with the current scales, as in Keras
+    ours = layer(x, training=False)
+    object.__setattr__(layer, "_float8_call",
+                       lambda inputs, training=None: keras_call(layer, inputs, training))
+    try:
+        theirs = layer(x, training=False)
+    finally:
+        del layer.__dict__["_float8_call"]
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
+    assert not np.array_equal(np.asarray(ours, np.float32),
+                              np.asarray(type(layer).call(layer, x), np.float32))
 
 
 def test_recipe_margin_and_amax_algorithm_change_the_new_scale():
@@ -254,6 +265,16 @@ def test_outliers_promote_only_the_layer_they_reach(tmp_path):
     cb = keras_mp.callbacks.AdaptivePrecision(interval=16)
     loaded.fit(x[:1024], y[:1024], batch_size=64, epochs=1, verbose=0, callbacks=[cb])
     assert [lp.dtype_of(p) for p in dense] == dtypes
+
+    # deployment: int8 guided by what training learned (the promoted layer stays float)
+    decisions = keras_mp.quantize(model, "int8")
+    assert [decisions[p] for p in dense] == ["promoted", "quantize", "quantize", "quantize"]
+    assert [layer.quantization_mode for layer in model.layers
+            if isinstance(layer, keras.layers.Dense)] == [None, "int8", "int8", "int8"]
+    _, int8_acc = model.compile(metrics=["accuracy"], loss=keras.losses.
+                                SparseCategoricalCrossentropy(from_logits=True)), \
+        model.evaluate(xt, data[3], verbose=0)[1]
+    assert int8_acc >= adaptive - 0.01
 
 
 def test_a_healthy_model_stays_in_float8():
