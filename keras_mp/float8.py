@@ -64,6 +64,7 @@ import tensorflow as tf
 from keras import ops, quantizers
 from keras.dtype_policies import DTypePolicyMap, QuantizedFloat8DTypePolicy
 
+from keras_mp import _checks as checks
 from keras_mp import forward
 
 __all__ = ["Float8Recipe", "Float8Policy", "FIELDS", "ELIGIBLE", "VARIABLES", "eligible",
@@ -117,13 +118,8 @@ class Float8Recipe:
     amax_compute_algo: str = "max"
 
     def __post_init__(self):
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) \
-                or not 0 <= self.margin <= 16:
-            raise ValueError(f"`margin` must be an int in [0, 16], got {self.margin!r}.")
-        if isinstance(self.amax_history_length, bool) or not isinstance(
-                self.amax_history_length, int) or self.amax_history_length < 1:
-            raise ValueError("`amax_history_length` must be an int >= 1, got "
-                             f"{self.amax_history_length!r}.")
+        checks.count("margin", self.margin, 0, 16)
+        checks.count("amax_history_length", self.amax_history_length, 1)
         if self.amax_compute_algo not in _ALGOS:
             raise ValueError(f"`amax_compute_algo` must be one of {_ALGOS}, got "
                              f"{self.amax_compute_algo!r}.")

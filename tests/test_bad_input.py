@@ -26,10 +26,10 @@ from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, dev
                       stats, tuning, xla)
 from keras_mp.fuse import fuse as fuse_model
 
-MODULES = ["autofit", "callbacks", "cli", "controller", "datasets", "demo", "deploy_demo",
-           "device", "distribute", "execution", "export", "float8", "forward", "fuse", "hooks", "kernels",
-           "layers", "loss_scale", "ops", "optimizer", "policies", "precision_state", "probe",
-           "quantization", "report", "stats", "tuning", "xla"]
+MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "datasets", "demo", "deploy_demo",
+           "device", "distribute", "execution", "export", "float8", "forward", "fuse", "hooks",
+           "kernels", "layers", "loss_scale", "ops", "optimizer", "policies", "precision_state",
+           "probe", "quantization", "report", "rule", "stats", "tuning", "xla"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -45,7 +45,7 @@ NO_ARGUMENTS = {
 }
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
-    "controller.Switch", "controller.Decision", "controller.LayerStats",
+    "rule.Switch", "rule.Decision", "rule.LayerStats",
     "datasets.Loaded", "demo.DemoResult", "demo.DemoRun", "device.DeviceProfile",
     "kernels.GradientStatistics", "probe.ProbeResult",
     "report.PrecisionReport", "stats.IntervalStats", "xla.Kind",
@@ -105,36 +105,36 @@ CASES = [
     ("cli.main", lambda: importlib.import_module("keras_mp.cli").main(["--no-such-flag"]),
      SystemExit, None),
     # controller
-    ("controller.DecisionRule", lambda: controller.DecisionRule(max_nonfinite=1.5), ValueError,
+    ("rule.DecisionRule", lambda: controller.DecisionRule(max_nonfinite=1.5), ValueError,
      "`max_nonfinite`"),
-    ("controller.DecisionRule", lambda: controller.DecisionRule(patience=0), ValueError,
+    ("rule.DecisionRule", lambda: controller.DecisionRule(patience=0), ValueError,
      "`patience`"),
-    ("controller.DecisionRule", lambda: controller.DecisionRule(cooldown="2"), ValueError,
+    ("rule.DecisionRule", lambda: controller.DecisionRule(cooldown="2"), ValueError,
      "`cooldown`"),
-    ("controller.DecisionRule", lambda: controller.DecisionRule(hysteresis=0), ValueError,
+    ("rule.DecisionRule", lambda: controller.DecisionRule(hysteresis=0), ValueError,
      "`hysteresis`"),
-    ("controller.LayerState", lambda: controller.LayerState("int8"), ValueError, "`dtype`"),
+    ("rule.LayerState", lambda: controller.LayerState("int8"), ValueError, "`dtype`"),
     ("controller.decide", lambda: controller.decide(
         [controller.LayerStats()], [], ("float16", "float32")), ValueError, "`states`"),
     ("controller.decide", lambda: controller.decide(
         [], [], ("float16", "int8")), ValueError, "`candidates`"),
     ("controller.decide", lambda: controller.decide(
         [], [], ("float32",), all_nonfinite=2.0), ValueError, "`all_nonfinite`"),
-    ("controller.DecisionRule", lambda: controller.DecisionRule(max_probe_loss_error=0),
+    ("rule.DecisionRule", lambda: controller.DecisionRule(max_probe_loss_error=0),
      ValueError, "`max_probe_loss_error`"),
-    ("controller.DecisionRule", lambda: controller.DecisionRule(max_near_max=2), ValueError,
+    ("rule.DecisionRule", lambda: controller.DecisionRule(max_near_max=2), ValueError,
      "`max_near_max`"),
-    ("controller.LayerState", lambda: controller.LayerState("float32", trial=-1), ValueError,
+    ("rule.LayerState", lambda: controller.LayerState("float32", trial=-1), ValueError,
      "`trial`"),
     ("controller.decide", lambda: controller.decide(
         [], [], ("float32",), probe_steps=-1), ValueError, "`probe_steps`"),
     ("controller.decide", lambda: controller.decide(
         [], [], ("float32",), probe_loss_error=float("nan")), ValueError, "`probe_loss_error`"),
-    ("controller.sort_candidates", lambda: controller.sort_candidates("float16"), ValueError,
+    ("rule.sort_candidates", lambda: controller.sort_candidates("float16"), ValueError,
      "`candidates`"),
-    ("controller.sort_candidates", lambda: controller.sort_candidates(["float16", "int8"]),
+    ("rule.sort_candidates", lambda: controller.sort_candidates(["float16", "int8"]),
      ValueError, "`candidates`"),
-    ("controller.sort_candidates", lambda: controller.sort_candidates([]), ValueError,
+    ("rule.sort_candidates", lambda: controller.sort_candidates([]), ValueError,
      "`candidates`"),
     # datasets
     ("datasets.load_digits", lambda: datasets.load_digits(test_fraction=1.5), ValueError,
@@ -244,19 +244,19 @@ CASES = [
     ("optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
         SGD(), schedule="sometimes"), ValueError, "`schedule`"),
     # policies
-    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float16", "int8")),
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float16", "int8")),
      ValueError, "`candidates`"),
-    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(rule=3), TypeError, "`rule`"),
-    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(name=3), TypeError, "`name`"),
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(rule=3), TypeError, "`rule`"),
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(name=3), TypeError, "`name`"),
     # float16 candidates with an int8 entry: incompatible
-    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("float16", "float32"), assignments={"dense": "int8"}), ValueError, "`dtype`"),
-    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float8",)), ValueError,
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float8",)), ValueError,
      "`candidates`"),
-    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8_recipe=3), TypeError,
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8_recipe=3), TypeError,
      "`float8_recipe`"),
-    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8=3), TypeError, "`float8`"),
-    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8=3), TypeError, "`float8`"),
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("bfloat16", "float32")).assign("dense", "float8"), ValueError, "`dtype`"),
     ("float8.Float8Recipe", lambda: float8.Float8Recipe(margin=-1), ValueError, "`margin`"),
     ("float8.Float8Recipe", lambda: float8.Float8Recipe(amax_history_length=0), ValueError,
@@ -318,7 +318,7 @@ CASES = [
      "`weights`"),
     ("export.export", lambda: export.export(_model(), 3), TypeError, "`path`"),
     ("export.float32_copy", lambda: export.float32_copy("m"), TypeError, "`model`"),
-    ("policies.AdaptivePolicy", lambda: policies.AdaptivePolicy(policies=3), TypeError,
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(policies=3), TypeError,
      "`policies`"),
     ("deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(0), ValueError, "`n`"),
     ("deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(4, fraction=2), ValueError,
