@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fraction", "positive", "count"]
+__all__ = ["fraction", "positive", "count", "object_or_config"]
 
 
 def _is_number(value: Any) -> bool:
@@ -43,3 +43,13 @@ def count(name: str, value: Any, minimum: int, maximum: int | None = None) -> in
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise ValueError(f"`{name}` must be an int {bound}, got {value!r}.")
     return value
+
+
+def object_or_config(name: str, value: Any, cls: type, what: str) -> Any:
+    """``value`` if it is a ``cls``, ``cls.from_config(value)`` for a dict,
+    ``cls()`` for None; ``what`` names ``cls`` in the error."""
+    if isinstance(value, dict):
+        value = cls.from_config(value)
+    if value is not None and not isinstance(value, cls):
+        raise TypeError(f"`{name}` must be a {what}, its config dict or None, got {value!r}.")
+    return value if value is not None else cls()

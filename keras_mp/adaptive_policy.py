@@ -40,6 +40,7 @@ from typing import Any
 import keras
 from keras.dtype_policies import DTypePolicy, DTypePolicyMap
 
+from keras_mp import _checks as checks
 from keras_mp import device
 from keras_mp.float8 import Float8Policy, Float8Recipe
 from keras_mp.rule import DecisionRule, sort_candidates
@@ -114,18 +115,10 @@ class AdaptivePolicy(DTypePolicyMap):
         if candidates is None:
             candidates = device.default_candidates()
         self._candidates = sort_candidates(candidates)
-        if isinstance(float8_recipe, dict):
-            float8_recipe = Float8Recipe.from_config(float8_recipe)
-        if float8_recipe is not None and not isinstance(float8_recipe, Float8Recipe):
-            raise TypeError("`float8_recipe` must be a keras_mp.float8.Float8Recipe, its config "
-                            f"dict or None, got {float8_recipe!r}.")
-        self.float8_recipe = float8_recipe or Float8Recipe()
-        if isinstance(rule, dict):
-            rule = DecisionRule.from_config(rule)
-        if rule is not None and not isinstance(rule, DecisionRule):
-            raise TypeError("`rule` must be a keras_mp.rule.DecisionRule, its config "
-                            f"dict or None, got {rule!r}.")
-        self.rule = rule or DecisionRule()
+        self.float8_recipe = checks.object_or_config(
+            "float8_recipe", float8_recipe, Float8Recipe, "keras_mp.float8.Float8Recipe")
+        self.rule = checks.object_or_config("rule", rule, DecisionRule,
+                                            "keras_mp.rule.DecisionRule")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"`name` must be a string or None, got {name!r}.")
         self._adaptive_name = name or "adaptive"

@@ -118,14 +118,24 @@ def _rebuild_optimizer(model: keras.Model) -> None:
             "The model's optimizer has already trained without the float8 variables that "
             "keras_mp.float8.prepare(model) adds; call it before the optimizer's first step "
             "(before fit, or before optimizer.build in a custom loop).")
+    _replace_optimizer(model, lambda: keras.optimizers.deserialize(
+        keras.optimizers.serialize(opt)))
+
+
+def _replace_optimizer(model: keras.Model, make):
+    """``make()``'s optimizer, built on the model's variables, becomes the
+    model's (and its compile config's, so that a ``.keras`` file recompiles
+    with it and its saved variables load into it); the train function is
+    traced anew (one traced before would keep the old optimizer)."""
     with model.distribute_strategy.scope():
-        fresh = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
-        fresh.build(model.trainable_variables)
-    model.optimizer = fresh
+        new = make()
+        new.build(model.trainable_variables)
+    model.optimizer = new
     compile_config = getattr(model, "_compile_config", None)
     if compile_config is not None and "optimizer" in getattr(compile_config, "config", {}):
-        compile_config.config["optimizer"] = fresh
+        compile_config.config["optimizer"] = new
     model.train_function = None
+    return new
 
 
 def _is_keras_train_step(model: keras.Model) -> bool:
@@ -302,18 +312,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         inner = opt.inner_optimizer if isinstance(opt, keras.optimizers.LossScaleOptimizer) \
             else opt
         schedule = self.loss_scale if self.loss_scale is not None else "dynamic"
-        with model.distribute_strategy.scope():
-            wrapped = LossScaleOptimizer(inner, schedule=schedule)
-            wrapped.build(model.trainable_variables)
-        model.optimizer = wrapped
-        compile_config = getattr(model, "_compile_config", None)
-        if compile_config is not None and "optimizer" in getattr(compile_config, "config", {}):
-            # So that a .keras file recompiles with the wrapped optimizer and
-            # its saved variables (loss-scale state included) load into it.
-            compile_config.config["optimizer"] = wrapped
-        # A train function traced before the wrap would keep the old optimizer.
-        model.train_function = None
-        return wrapped
+        return _replace_optimizer(model, lambda: LossScaleOptimizer(inner, schedule=schedule))
 
     def _make_probe(self):
         model, policy, layers = self.model, self._policy, self._layers

@@ -44,7 +44,8 @@ import keras
 import ml_dtypes
 import tensorflow as tf
 
-__all__ = ["FIELDS", "MAX_FIELDS", "MEAN_FIELDS", "FLOAT8_FIELDS", "NEAR_MAX", "dtype_max", "dtype_tiny",
+__all__ = ["FIELDS", "MAX_FIELDS", "MEAN_FIELDS", "FLOAT8_FIELDS", "NEAR_MAX", "dtype_max",
+           "dtype_tiny",
            "floating_tensors", "layer_statistics"]
 
 #: The forward statistics, in the order of :func:`layer_statistics`'s vector.

@@ -21,12 +21,14 @@ import tensorflow as tf
 
 import keras_mp
 from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device,
-                      distribute, execution, export, float8, forward, hooks, kernels, layers, loss_scale,
+                      distribute, execution, export, float8, forward, hooks, kernels, layers,
+                      loss_scale,
                       ops, optimizer, policies, precision_state, probe, quantization, report,
                       stats, tuning, xla)
 from keras_mp.fuse import fuse as fuse_model
 
-MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "datasets", "demo", "deploy_demo",
+MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "datasets", "demo",
+           "deploy_demo",
            "device", "distribute", "execution", "export", "float8", "forward", "fuse", "hooks",
            "kernels", "layers", "loss_scale", "ops", "optimizer", "policies", "precision_state",
            "probe", "quantization", "report", "rule", "stats", "tuning", "xla"]
@@ -246,8 +248,10 @@ CASES = [
     # policies
     ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float16", "int8")),
      ValueError, "`candidates`"),
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(rule=3), TypeError, "`rule`"),
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(name=3), TypeError, "`name`"),
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(rule=3),
+     TypeError, "`rule`"),
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(name=3),
+     TypeError, "`name`"),
     # float16 candidates with an int8 entry: incompatible
     ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("float16", "float32"), assignments={"dense": "int8"}), ValueError, "`dtype`"),
@@ -255,7 +259,8 @@ CASES = [
      "`candidates`"),
     ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8_recipe=3), TypeError,
      "`float8_recipe`"),
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8=3), TypeError, "`float8`"),
+    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8=3),
+     TypeError, "`float8`"),
     ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("bfloat16", "float32")).assign("dense", "float8"), ValueError, "`dtype`"),
     ("float8.Float8Recipe", lambda: float8.Float8Recipe(margin=-1), ValueError, "`margin`"),
