@@ -588,5 +588,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
                     keys += ["nonfinite", "fp16_subnormal", "fp16_overflow", "bf16_subnormal"]
                 if stats.probe_steps:
                     keys += ["grad_error", "cosine", "grad_noise_ratio"]
+                if self._policy.is_float8(path):
+                    keys += list(float8.FIELDS)
                 for key in keys:
                     _scalar(f"precision/{path}/{key}", getattr(stats, key))

@@ -208,14 +208,14 @@ def _mlp(d: int = 16):
                              L.Dense(64, activation="relu"), L.Dense(4)])
 
 
-def _train(kind: str, data, epochs: int):
+def _train(kind: str, data, epochs: int, log_dir=None):
     x, y, xt, yt = data
     keras.utils.set_random_seed(1)
     callbacks = []
     if kind == "adaptive":
         keras_mp.set_global_policy(AdaptivePolicy(CANDIDATES))
         model = _mlp()
-        callbacks = [keras_mp.callbacks.AdaptivePrecision(interval=16)]
+        callbacks = [keras_mp.callbacks.AdaptivePrecision(interval=16, log_dir=log_dir)]
     else:
         keras_mp.set_global_policy("mixed_bfloat16")
         model = _mlp()
@@ -277,12 +277,23 @@ def test_outliers_promote_only_the_layer_they_reach(tmp_path):
     assert int8_acc >= adaptive - 0.01
 
 
-def test_a_healthy_model_stays_in_float8():
-    model, _ = _train("adaptive", _data(0.0), epochs=3)
+def test_a_healthy_model_stays_in_float8(tmp_path):
+    model, _ = _train("adaptive", _data(0.0), epochs=3, log_dir=str(tmp_path))
     policy = keras_mp.policies.policy_of(model)
     assert set(policy.float8_layers().values()) == {"float8"}
     assert len(policy.float8_layers()) == 4
     assert not any(policy.record(p).get("history") for p in policy.float8_layers())
+    # the same evidence reaches the report and TensorBoard
+    report = keras_mp.precision_report(model)
+    assert "f8 flushed" in str(report) and "f8 flushed" in report.legend()
+    first = policy.record(model.layers[0].path)["stats"]
+    assert first["f8_growth"] >= 1.0 and 0.0 <= first["f8_flushed"] < 0.1
+    tags = set()
+    for path in (tmp_path).iterdir():
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            tags.update(v.tag for v in event.summary.value)
+    assert f"precision/{model.layers[0].path}/f8_flushed" in tags
+    assert f"precision/{model.layers[0].path}/bits" in tags
 
 
 def test_gpu_script_says_why_it_skips_without_float8_units(capsys):
