@@ -304,3 +304,31 @@ def test_gpu_script_says_why_it_skips_without_float8_units(capsys):
         pytest.skip(f"this machine has float8 units: {what}")
     assert float8_gpu.main([]) == 0
     assert "float8 benchmark skipped" in capsys.readouterr().out
+
+
+def test_under_mirrored_strategy(two_replica_strategy):
+    """fit builds the optimizer before callbacks start under a strategy; the
+    float8 variables added then need a fresh (not yet stepped) optimizer."""
+    x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
+    y = (x.sum(1) > 0).astype("int32")
+    with two_replica_strategy.scope():
+        with keras_mp.policy_scope(AdaptivePolicy(CANDIDATES)):
+            model = keras.Sequential([keras.Input((8,)),
+                                      keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    h = model.fit(x, y, batch_size=32, epochs=2, verbose=0,
+                  callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=4)])
+    assert isinstance(model.optimizer, keras.optimizers.Adam)
+    assert int(model.optimizer.iterations.numpy()) == 16
+    assert h.history["loss"][1] < h.history["loss"][0]
+    assert float(model.layers[0].inputs_scale.numpy()) != 1.0  # delayed scaling ran
+    # an optimizer that has already stepped cannot take new variables
+    with keras_mp.policy_scope(AdaptivePolicy(CANDIDATES)):
+        other = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    other.compile(optimizer="sgd", loss="mse")
+    other.optimizer.build(other.trainable_variables)
+    other.optimizer.iterations.assign(3)
+    with pytest.raises(ValueError, match="before the optimizer's first step"):
+        keras_mp.callbacks.AdaptivePrecision().set_model(other)
