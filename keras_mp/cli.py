@@ -59,7 +59,10 @@ def _info(args: argparse.Namespace) -> int:
         lines.append(f"  {dtype:<9} {gflops:8.1f} GFLOP/s  {prof.speedup(dtype):5.2f}x float32"
                      f"{native}")
     fast = ", ".join(prof.fast) or "none"
-    lines += ["", f"Fast low-precision dtypes here: {fast}",
+    f8 = ("float8 units: yes (Dense/EinsumDense may train in float8)"
+          if prof.hardware.get("float8") else
+          "float8 units: none (float8 would be emulated; 'adaptive_float8' still runs it)")
+    lines += ["", f"Fast low-precision dtypes here: {fast}", f8,
               f"'adaptive' would choose among: {', '.join(device.default_candidates())}"]
     lines += _execution_lines(prof.device_type)
     lines.append(f"XLA for fused elementwise work now: {keras_mp.uses_xla('elementwise')}; "
