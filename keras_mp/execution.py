@@ -460,6 +460,8 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
         model.jit_compile = chosen == "xla"  # a trial starts as a graph
     if model.jit_compile != before:
         model.train_function = model.test_function = model.predict_function = None
+    elif chosen == "trial" and model.train_function is not None:
+        model.train_function = None  # built before: rebuilt to measure
     _set_matmul_placement(model)
     return chosen
 

@@ -196,6 +196,13 @@ def test_auto_measures_the_models_own_step(monkeypatch, caplog, factor, expected
     assert execution.configure(model) == expected  # decided once per model and dtypes
     model.fit(x[:16], y[:16], batch_size=8, verbose=0)
     assert model.jit_compile is (expected == "xla")
+    # A model trained in another mode first is measured when "auto" comes.
+    other = _model()
+    execution.configure(other, mode="graph")
+    other.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    assert execution.configure(other, mode="auto") == "trial"
+    other.fit(x[:8 * calls], y[:8 * calls], batch_size=8, verbose=0)
+    assert execution.chosen(other) == expected
 
 
 def test_auto_trial_falls_back_when_xla_cannot_compile(caplog):
