@@ -523,8 +523,8 @@ def epilogue(activation: str, dtype: str = "bfloat16", device_type: str | None =
     from keras_mp import ops as kops
 
     device_type = _check_device_type(device_type)
-    if activation not in kops.ACTIVATIONS + ("gelu_tanh",):
-        raise ValueError(f"`activation` must be one of {kops.ACTIVATIONS + ('gelu_tanh',)}, "
+    if activation not in xla.EPILOGUE_ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {xla.EPILOGUE_ACTIVATIONS}, "
                          f"got {activation!r}.")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"`dtype` must be one of 'float32', 'bfloat16', 'float16', got "
@@ -566,9 +566,14 @@ def epilogue(activation: str, dtype: str = "bfloat16", device_type: str | None =
 def chosen(model: keras.Model) -> str | None:
     """How ``model``'s train step runs now under :func:`configure`.
 
+    Args:
+        model: a Keras model.
+
     Returns:
         ``"xla"``, ``"graph"``, ``"trial"`` (``"auto"``, still measuring),
         or None where :func:`configure` never ran on ``model``.
     """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
     state = getattr(model, _ATTR, None)
     return None if state is None else state.chosen

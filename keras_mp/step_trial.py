@@ -118,6 +118,8 @@ class FirstCallGuard:
     def __init__(self, model: keras.Model, fn: Callable[..., Any],
                  on_fail: Callable[[], Callable[..., Any]], env_var: str,
                  known_failure: Callable[[], bool] = lambda: False):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
         self._model, self._fn, self._on_fail, self._env = model, fn, on_fail, env_var
         self._known_failure = known_failure
         self._checked = False
@@ -165,6 +167,10 @@ class StepTrial:
 
     def __init__(self, record: Record, graph_fn: Callable[..., Any], xla_fn: FirstCallGuard,
                  margin: float, on_decision: Callable[[str], None]):
+        if not isinstance(record, Record):
+            raise TypeError(f"`record` must be a step_trial.Record, got {type(record).__name__}.")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 1.0:
+            raise ValueError(f"`margin` must be a number >= 1, got {margin!r}.")
         self.record, self._graph, self._xla = record, graph_fn, xla_fn
         self._margin, self._on_decision = margin, on_decision
 

@@ -155,7 +155,15 @@ def _default(kind: str, device_type: str) -> bool:
 #: separate XLA kernel does (the measured default on CPUs where matmuls stay
 #: outside XLA; see the module docstring).
 _ONEDNN_EPILOGUES = ("linear", "relu", "tanh")
+#: The epilogue kernels' activation names (:func:`keras_mp.ops.bias_activation`).
+EPILOGUE_ACTIVATIONS: tuple[str, ...] = ("linear", "relu", "gelu", "gelu_tanh", "silu", "tanh")
 _epilogues: dict[tuple[str, str], bool] = {}  # (activation, device type) -> fused, measured
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in EPILOGUE_ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {EPILOGUE_ACTIVATIONS}, got "
+                         f"{activation!r}.")
 
 
 def fuses_epilogue(activation: str, device_type: str | None = None) -> bool:
@@ -173,6 +181,7 @@ def fuses_epilogue(activation: str, device_type: str | None = None) -> bool:
         >>> xla.fuses_epilogue("gelu", "CPU")
         True
     """
+    _check_activation(activation)
     device_type = device_type or current_device_type()
     if "elementwise" in _overrides:
         return _overrides["elementwise"] and xla_available(device_type)
@@ -189,6 +198,7 @@ def set_measured_epilogue(activation: str, device_type: str, fused: bool) -> Non
     """Records where a fused ``Dense``'s epilogue runs for ``activation``
     (used by :mod:`keras_mp.execution`; ``set_xla("elementwise", ...)``
     still overrides it)."""
+    _check_activation(activation)
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"`device_type` must be one of {DEVICE_TYPES}, got {device_type!r}.")
     if not isinstance(fused, bool):
