@@ -17,12 +17,23 @@ these variants train on the same synthetic data in one process:
   :mod:`keras_mp.execution`), ``compile()`` defaults.
 
 Every variant runs the same number of training steps per round (one
-``model.fit`` epoch over a ``tf.data`` dataset); after one warm-up epoch
-(tracing, XLA compilation), the rounds are interleaved across variants and
-timed by process CPU time and by wall time. Each figure is the median over
-the rounds with its spread (max - min), per training step. Ratios are taken
-against ``keras_float32`` and against the best Keras variant (the fastest of
-the six one-liners, by the same clock) measured in the same run.
+``model.fit`` epoch over a ``tf.data`` dataset, 20 steps by default: the
+``AdaptivePrecision`` default gathers statistics on one call in 20, so every
+round of keras_mp holds exactly one statistics step, at its steady-state
+rate); after a warm-up (two 8-row steps, then one epoch: tracing, XLA
+compilation, keras_mp's measured choice of graph or XLA and the first
+statistics step, all before timing), the rounds are interleaved across
+variants and timed by process CPU time and by wall time. Each figure is the
+median over the rounds with its spread (max - min), per training step.
+keras_mp's decisions (one per 100 calls) fall inside the rounds as they
+would in training. Its float32 probe (one call in 200 by default) is timed
+on its own after the rounds (:meth:`AdaptivePrecision.probe
+<keras_mp.callbacks.AdaptivePrecision.probe>`, the same computation on one
+batch) and its cost per step (the probe's time divided by ``probe_every``)
+is **added** to keras_mp's figures (``probe`` in the results says how much).
+Ratios are taken against ``keras_float32`` and against the best Keras
+variant (the fastest of the six one-liners, by the same clock) measured in
+the same run.
 
 On a GPU the peak device memory TensorFlow's allocator reached during one
 epoch is reported (``gpu_peak_mib``, MiB); on CPU memory is not reported
@@ -60,7 +71,7 @@ _SIZES: dict[str, dict[str, dict[str, int]]] = {
                     "quick": dict(batch=32, length=128, dim=256, blocks=2)},
 }
 # (steps per round, rounds)
-_SCHEDULE = {"full": (8, 7), "quick": (5, 5)}
+_SCHEDULE = {"full": (20, 7), "quick": (20, 5)}
 #: A variant whose one step on 8 rows (after tracing) is this many times
 #: slower than keras_float32's is reported from that step and not timed
 #: (Keras's mixed_float16 on an AMX Xeon: 61-439x slower than float32).
@@ -138,7 +149,7 @@ def _make_variant(variant: str, build: Callable[[], Any], data, steps: int):
     if variant == "keras_mp":
         with policies.policy_scope("adaptive"):
             model = keras_mp.fuse(build())
-        cbs = [callbacks.AdaptivePrecision()]
+        cbs = [callbacks.AdaptivePrecision()]  # the defaults, as the README recommends
     else:
         policy = variant.removeprefix("keras_").removesuffix("_xla")
         jit = variant.endswith("_xla")
@@ -147,7 +158,7 @@ def _make_variant(variant: str, build: Callable[[], Any], data, steps: int):
     model.compile(optimizer=keras.optimizers.Adam(1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=jit)
-    state: dict[str, Any] = {"model": model}
+    state: dict[str, Any] = {"model": model, "callback": cbs[0] if cbs else None}
 
     def train(n: int = steps, on=data):
         hist = model.fit(on, epochs=1, steps_per_epoch=n, verbose=0, callbacks=cbs,
@@ -164,6 +175,34 @@ def _dtype_counts(model) -> dict[str, int]:
         if layer.weights:
             counts[layer.compute_dtype] = counts.get(layer.compute_dtype, 0) + 1
     return counts
+
+
+def _add_probe_cost(entry: dict[str, Any], callback, data) -> dict[str, Any] | None:
+    """Times ``callback``'s float32 probe on one batch (median of 3 calls
+    after one to trace) and adds its cost per step (divided by
+    ``probe_every``) to every sample of ``entry``. Returns what was added."""
+    import statistics
+
+    if callback.probe_every is None or getattr(callback, "_inert", False):
+        return None
+    batch = next(iter(data))
+    callback.probe(batch)  # traces
+    cpu, wall = [], []
+    for _ in range(3):
+        c0, w0 = time.process_time(), time.perf_counter()
+        callback.probe(batch)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    added = {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
+             "every": callback.probe_every}
+    for clock in ("cpu", "wall"):
+        per_step = added[f"{clock}_s"] / callback.probe_every
+        added[f"per_step_{clock}_s"] = per_step
+        e = entry[clock]
+        e["samples"] = [x + per_step for x in e["samples"]]
+        for k in ("median", "min", "max"):
+            e[k] += per_step
+    return added
 
 
 def _machine(prof, exec_prof) -> dict[str, Any]:
@@ -208,8 +247,14 @@ def _table(entries: dict[str, dict[str, Any]]) -> str:
                  f"{entries[best_wall]['wall']['median'] / w['median']:.2f}x",
                  "" if e.get("final_loss") is None else f"{e['final_loss']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    note = ""
+    probe = (entries.get("keras_mp") or {}).get("probe")
+    if probe:
+        note = (f" keras_mp's figures include its float32 probe: {probe['cpu_s'] * 1e3:.0f} ms "
+                f"CPU ({probe['wall_s'] * 1e3:.0f} ms wall) per call, one call in "
+                f"{probe['every']}, i.e. +{probe['per_step_cpu_s'] * 1e3:.2f} ms CPU per step.")
     return "\n".join(lines) + (f"\n\nBest Keras one-liner: `{best_cpu}` by CPU time, "
-                               f"`{best_wall}` by wall time.")
+                               f"`{best_wall}` by wall time." + note)
 
 
 def run(models: Sequence[str] = MODELS, quick: bool = False,
@@ -226,8 +271,9 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
         out: a folder for ``bench.json`` and ``bench.png``, or None.
         log: where progress lines go.
         rounds: interleaved timed rounds (>= 5); 5 in quick mode, 7 otherwise.
-        steps: training steps per round and variant (>= 5); 5 in quick mode,
-            8 otherwise.
+        steps: training steps per round and variant (>= 5); 20 (a multiple
+            of ``AdaptivePrecision``'s default ``statistics_every``, so
+            keras_mp's statistics steps are timed at their steady-state rate).
 
     Returns:
         ``{"machine": {...}, "quick": bool, "rounds": int, "steps": int,
@@ -238,7 +284,9 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
         ``final_loss``, ``gpu_peak_mib`` (None off GPU), ``compute_dtypes``
         (layers with weights per compute dtype at the end) and, for keras_mp,
         ``mode`` (``"xla"`` or ``"graph"``, as :mod:`keras_mp.execution`
-        chose).
+        measured on the model) and ``probe`` (the float32 probe's seconds
+        per call, ``cpu_s`` and ``wall_s``, ``every`` calls, and the
+        ``per_step_cpu_s`` / ``per_step_wall_s`` added to its figures).
     """
     models = list(models)
     if not models:
@@ -299,10 +347,11 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
                 w0 = time.perf_counter()
                 train(1, small)
                 pre[v] = time.perf_counter() - w0
-                if v == "keras_float32" or pre[v] <= TOO_SLOW * pre["keras_float32"]:
-                    # Warm-up: also traces the AdaptivePrecision step with
-                    # statistics (every 10th step).
-                    train()
+                if v in ("keras_float32", "keras_mp") or \
+                        pre[v] <= TOO_SLOW * pre["keras_float32"]:
+                    # Warm-up, one epoch: for keras_mp, its measured choice
+                    # of graph or XLA (the first 12 calls) and the first
+                    # statistics step (call 20) are traced here.
                     train()
             except Exception as e:  # noqa: BLE001 - e.g. XLA cannot compile this variant
                 if v == "keras_float32":
@@ -311,7 +360,9 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
                 skipped[kind][v] = f"{type(e).__name__}: {reason}"
                 log(f"[{kind}] {v} skipped: {skipped[kind][v]}")
                 continue
-            if v != "keras_float32" and pre[v] > TOO_SLOW * pre["keras_float32"]:
+            # (keras_mp's second 8-row step is its XLA trial's compilation.)
+            if v not in ("keras_float32", "keras_mp") and \
+                    pre[v] > TOO_SLOW * pre["keras_float32"]:
                 skipped[kind][v] = (
                     f"too slow to time: {pre[v] * 1e3:.0f} ms for one step of 8 rows, "
                     f"{pre[v] / pre['keras_float32']:.0f}x keras_float32 "
@@ -327,9 +378,11 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
             model = state["model"]
             entries[v] = {**timings[v], "final_loss": state.get("loss"),
                           "gpu_peak_mib": _gpu_peak_mib(train),
-                          "mode": ("xla" if model.jit_compile else "graph")
-                          if v == "keras_mp" else None,
+                          "mode": execution.chosen(model) if v == "keras_mp" else None,
                           "compute_dtypes": _dtype_counts(model)}
+            if v == "keras_mp" and state["callback"] is not None:
+                entries[v]["probe"] = _add_probe_cost(entries[v], state["callback"], data)
+                log(f"[{kind}] keras_mp probe: {entries[v]['probe']}")
         for clock in ("cpu", "wall"):
             best = _best(entries, clock)
             for e in entries.values():

@@ -91,8 +91,9 @@ def _execution_lines(device_type: str) -> list[str]:
                          f"{mm['xla']:7.1f} under XLA")
     cands = device.default_candidates(device_type)
     override = os.environ.get(execution.ENV_VAR)
-    lines.append(f"Train step under 'adaptive' ({', '.join(cands)}): "
-                 f"{execution.choose(cands, device_type)}"
+    lines.append(f"Train step under 'adaptive' ({', '.join(cands)}): this probe favours "
+                 f"{execution.choose(cands, device_type)}; each model's own step is timed, "
+                 "graph vs XLA, on its first training calls"
                  + (f" (but {execution.ENV_VAR}={override} overrides it)" if override else
                     f" (override: {execution.ENV_VAR}=xla|graph|keep)"))
     if cands[0] in ex.matmul and "xla" in ex.matmul[cands[0]]:

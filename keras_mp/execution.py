@@ -16,11 +16,19 @@ oneDNN kernels do. So the choice is measured, once per process and device:
 * a matmul in the same dtypes, graph and XLA, which decides where the fused
   layers' matmuls run (:func:`keras_mp.xla.uses_xla` ``("matmul")``).
 
-XLA is chosen for a model when it is faster by both clocks (by at least
-:data:`MARGIN`) for every compute dtype the model's layers use, the model
-supports it (every layer's ``supports_jit``), no distribution strategy is set
-and nothing in the optimizer needs graph-only ops (``max_consecutive_skips``
-names variables with string ops, which XLA cannot compile).
+That micro-benchmark is what ``keras-mp info`` shows and what
+:func:`choose` answers; it does not decide for a model. An elementwise-heavy
+probe step says little about a model whose time goes to convolutions or
+large matmuls (on an AMX-BF16 Xeon the bfloat16 probe step measured 0.8-1.1x
+under XLA from run to run, a bfloat16 CNN 0.3x). So with ``mode="auto"``
+:func:`configure` times **the model's own train step** on its first calls,
+as a graph and under XLA, alternating, on the batches it trains on, and
+keeps XLA only where it is at least :data:`MARGIN` faster by process CPU
+time and by wall time (:mod:`keras_mp.step_trial`). XLA is not tried at all
+where the model cannot use it: a layer without ``supports_jit``, a
+distribution strategy, an optimizer that needs graph-only ops
+(``max_consecutive_skips`` names variables with string ops, which XLA
+cannot compile), ``run_eagerly``.
 
 :func:`configure` applies the choice to a compiled model; the
 :class:`~keras_mp.callbacks.AdaptivePrecision` callback calls it, so the
@@ -47,6 +55,11 @@ Example:
     >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
     >>> model.jit_compile
     True
+    >>> keras_mp.execution.configure(model, mode="auto")   # measured on the next calls
+    'trial'
+    >>> _ = model.fit(np.ones((96, 4)), np.ones((96, 2)), batch_size=8, verbose=0)
+    >>> keras_mp.execution.chosen(model) in ("xla", "graph")
+    True
 """
 
 from __future__ import annotations
@@ -63,9 +76,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mp import device, xla
+from keras_mp import device, step_trial, xla
 
-__all__ = ["MODES", "ENV_VAR", "MARGIN", "ExecutionProfile", "profile", "choose", "configure"]
+__all__ = ["MODES", "ENV_VAR", "MARGIN", "ExecutionProfile", "profile", "choose", "configure",
+           "chosen", "epilogue"]
 
 #: Accepted values of ``mode`` and of the ``KERAS_MP_EXECUTION`` variable.
 MODES: tuple[str, ...] = ("auto", "xla", "graph", "keep")
@@ -233,8 +247,10 @@ def profile(device_type: str | None = None, *, refresh: bool = False, batch: int
 
 
 def choose(dtypes: Iterable[str], device_type: str | None = None) -> str:
-    """``"xla"`` where a measured XLA train step wins for every dtype in
-    ``dtypes``, else ``"graph"`` (the decision :func:`configure` applies).
+    """``"xla"`` where the probe step (:func:`profile`) ran faster under XLA
+    for every dtype in ``dtypes``, else ``"graph"``: the micro-benchmark's
+    estimate, shown by ``keras-mp info``. :func:`configure` measures the
+    model's own step instead.
 
     Args:
         dtypes: compute dtypes, e.g. ``["bfloat16", "float32"]``.
@@ -291,6 +307,8 @@ class _State:
     fell_back: bool = False
     told: bool = False
     original: Callable[..., Any] | None = None
+    # mode="auto": what the model's own step measured, per set of compute dtypes
+    trials: dict[frozenset, step_trial.Record] = dataclasses.field(default_factory=dict)
 
 
 def _decide(model: keras.Model, state: _State) -> str:
@@ -308,64 +326,48 @@ def _decide(model: keras.Model, state: _State) -> str:
         return "graph"
     if state.mode == "xla":
         return "xla"
-    return choose(_compute_dtypes(model))
+    record = state.trials.get(frozenset(_compute_dtypes(model)))
+    return record.decision if record is not None and record.decision else "trial"
 
 
-def _take(iterator, count: int) -> list:
-    """Up to ``count`` elements of a TF iterator, read eagerly."""
-    batch = []
-    for _ in range(count):
-        opt = iterator.get_next_as_optional()
-        if not opt.has_value():
-            break
-        batch.append(opt.get_value())
-    if not batch:
-        raise StopIteration
-    return batch
+def _fall_back(model: keras.Model, state: _State) -> Callable[[], Callable[..., Any]]:
+    """What a failed XLA compilation switches to: a graph train function."""
 
-
-class _FirstCallGuard:
-    """Runs an XLA train function; if its first call fails to compile,
-    warns once and reruns the same data as a TensorFlow graph."""
-
-    def __init__(self, model: keras.Model, fn: Callable[..., Any]):
-        self._model, self._fn, self._checked = model, fn, False
-
-    def _graph(self) -> Callable[..., Any]:
-        model = self._model
-        state: _State = getattr(model, _ATTR)
+    def graph():
+        state.fell_back, state.chosen = True, "graph"
         model.jit_compile = False
         state.original(force=True)
         model.test_function = model.predict_function = None
         return model.train_function
 
-    def __call__(self, iterator):
-        if self._checked:
-            return self._fn(iterator)
-        model = self._model
-        state: _State = getattr(model, _ATTR)
-        if state.fell_back:
-            self._fn, self._checked = self._graph(), True
-            return self._fn(iterator)
-        data = iterator
-        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            data = _take(iterator, model.steps_per_execution)
-        try:
-            out = self._fn(data)
-        except (StopIteration, tf.errors.OutOfRangeError, KeyboardInterrupt):
-            raise
-        except Exception as e:  # noqa: BLE001 - any compile failure: graph instead
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            _log.warning(
-                "keras_mp: XLA could not compile this model's train step (%s: %s); training "
-                "goes on as a TensorFlow graph, from this same batch. To skip the attempt: "
-                "keras_mp.execution.configure(model, mode='graph') or %s=graph.",
-                type(e).__name__, first, ENV_VAR)
-            state.fell_back, state.chosen = True, "graph"
-            self._fn = self._graph()
-            out = self._fn(data)
-        self._checked = True
-        return out
+    return graph
+
+
+def _build(model: keras.Model, state: _State, jit: bool) -> Callable[..., Any]:
+    model.jit_compile = jit
+    state.original(force=True)
+    return model.train_function
+
+
+def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
+    """A train function measuring graph against XLA on the model's first calls."""
+    record = state.trials.setdefault(frozenset(_compute_dtypes(model)), step_trial.Record())
+    xla_fn = _build(model, state, True)
+    graph_fn = _build(model, state, False)  # jit_compile stays False until decided
+
+    def fell_back():
+        state.fell_back = True
+        return graph_fn
+
+    def decided(mode: str) -> None:
+        state.chosen = mode
+        if model.jit_compile != (mode == "xla"):
+            model.jit_compile = mode == "xla"
+            model.test_function = model.predict_function = None
+
+    guard = step_trial.FirstCallGuard(model, xla_fn, fell_back, ENV_VAR,
+                                      known_failure=lambda: state.fell_back)
+    return step_trial.StepTrial(record, graph_fn, guard, MARGIN, decided)
 
 
 def _install(model: keras.Model, state: _State) -> None:
@@ -376,11 +378,16 @@ def _install(model: keras.Model, state: _State) -> None:
             return model.train_function
         chosen = _decide(model, state)  # again: the compute dtypes may have changed
         state.chosen = chosen
+        if chosen == "trial":
+            model.train_function = _trial(model, state)
+            return model.train_function
         if state.mode != "keep":
             model.jit_compile = chosen == "xla"
         original(force=True)
         if model.jit_compile:
-            model.train_function = _FirstCallGuard(model, model.train_function)
+            model.train_function = step_trial.FirstCallGuard(
+                model, model.train_function, _fall_back(model, state), ENV_VAR,
+                known_failure=lambda: state.fell_back)
         return model.train_function
 
     state.original = original
@@ -393,12 +400,14 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     Call it after ``model.compile(...)`` (which resets ``jit_compile``); the
     :class:`~keras_mp.callbacks.AdaptivePrecision` callback calls it for
     you. The choice is taken again whenever the train step is rebuilt (e.g.
-    when adaptive precision changes a layer's dtype). XLA also applies to
-    ``evaluate`` and ``predict``, as with ``compile(jit_compile=True)``.
+    when adaptive precision changes a layer's compute dtypes: a new set of
+    dtypes is measured anew). XLA also applies to ``evaluate`` and
+    ``predict``, as with ``compile(jit_compile=True)``.
 
     Args:
         model: a compiled Keras model.
-        mode: ``"auto"`` (measure: :func:`choose`), ``"xla"``, ``"graph"``
+        mode: ``"auto"`` (measure the model's own step on its first
+            train-function calls, :mod:`keras_mp.step_trial`), ``"xla"``, ``"graph"``
             or ``"keep"`` (leave ``model.jit_compile`` as compiled). When
             None: the mode an earlier ``configure(model, mode=...)`` gave
             this model (so the callback keeps a mode you chose), else the
@@ -407,7 +416,10 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
             use ``"keep"`` to keep it.
 
     Returns:
-        ``"xla"`` or ``"graph"``: the mode chosen now.
+        ``"xla"`` or ``"graph"``: the mode chosen now; ``"trial"`` when
+        ``"auto"`` has not measured this model (and its compute dtypes) yet:
+        the next train-function calls measure it (:func:`chosen` tells the
+        outcome).
 
     Raises:
         TypeError: ``model`` is not a Keras model.
@@ -445,18 +457,123 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     chosen = _decide(model, state)
     state.chosen = chosen
     if mode != "keep":
-        model.jit_compile = chosen == "xla"
+        model.jit_compile = chosen == "xla"  # a trial starts as a graph
     if model.jit_compile != before:
         model.train_function = model.test_function = model.predict_function = None
+    elif chosen == "trial" and model.train_function is not None:
+        model.train_function = None  # built before: rebuilt to measure
     _set_matmul_placement(model)
     return chosen
 
 
 def _set_matmul_placement(model: keras.Model) -> None:
     """Points the fused layers' matmuls at the faster of graph and XLA for
-    the narrowest dtype the model computes in (measured, not from flags)."""
+    the narrowest dtype the model computes in (measured, not from flags),
+    and, where matmuls stay outside XLA, their epilogues (:func:`epilogue`)."""
     prof = profile()
     dtypes = _compute_dtypes(model)
     dtype = next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
     if dtype in prof.matmul and "xla" in prof.matmul[dtype]:
         xla.set_measured_default("matmul", prof.device_type, prof.matmul_xla_wins(dtype))
+    if xla.uses_xla("matmul", prof.device_type) or not xla.xla_available(prof.device_type):
+        return
+    for act in _fused_dense_activations(model):
+        speedup = epilogue(act, dtype, prof.device_type)
+        xla.set_measured_epilogue(act, prof.device_type, speedup > 1.0)
+
+
+def _fused_dense_activations(model: keras.Model) -> list[str]:
+    from keras_mp import layers as fused_layers
+    from keras_mp import ops as kops
+
+    names = set()
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, fused_layers.Dense) and layer.fused:
+            name, approximate = fused_layers._FUSED_ACTIVATIONS[layer.activation]
+            names.add(kops._check_activation(name, approximate))
+    return sorted(names)
+
+
+_epilogue_cache: dict[tuple[str, str, str], float] = {}
+
+
+def epilogue(activation: str, dtype: str = "bfloat16", device_type: str | None = None, *,
+             batch: int = 256, width: int = 1024, rounds: int = 5) -> float:
+    """Measures (once per process) a fused ``Dense``'s epilogue as one XLA
+    kernel against TensorFlow ops fused into the matmul by TensorFlow.
+
+    The step: three ``activation(h @ kernel + bias)`` layers, forward,
+    backward and update, matmuls in TensorFlow, ``[batch, width] x [width,
+    width]`` in ``dtype``, timed in interleaved rounds. (One layer alone
+    does not show it: the cost of the XLA epilogue on an AMX Xeon came from
+    the boundaries between oneDNN matmuls and XLA kernels across layers.)
+
+    Args:
+        activation: a :func:`keras_mp.ops.bias_activation` kernel name
+            (``"linear"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``,
+            ``"silu"``, ``"tanh"``).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device_type: as for :func:`profile`.
+        batch, width, rounds: the step's size and the timing rounds.
+
+    Returns:
+        The XLA epilogue's speed-up over TensorFlow's fusion: the smaller of
+        the CPU-time and wall-time ratios (> 1: the XLA kernel is faster).
+    """
+    from keras_mp import ops as kops
+
+    device_type = _check_device_type(device_type)
+    if activation not in xla.EPILOGUE_ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {xla.EPILOGUE_ACTIVATIONS}, "
+                         f"got {activation!r}.")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"`dtype` must be one of 'float32', 'bfloat16', 'float16', got "
+                         f"{dtype!r}.")
+    key = (activation, dtype, device_type)
+    with _lock:
+        if key in _epilogue_cache:
+            return _epilogue_cache[key]
+    name, approximate = ("gelu", True) if activation == "gelu_tanh" else (activation, False)
+    init = tf.random.stateless_normal
+    with tf.device(f"/{device_type}:0"):
+        x = tf.cast(init([batch, width], seed=[3, 1]), dtype)
+        weights = [tf.Variable(init([width, width], seed=[3, 2 + i]) * 0.03) for i in range(3)]
+        weights += [tf.Variable(tf.zeros([width])) for _ in range(3)]
+
+        def make(impl):
+            def step():
+                with tf.GradientTape() as tape:
+                    h = x
+                    for kernel, bias in zip(weights[:3], weights[3:]):
+                        h = impl(tf.matmul(h, tf.cast(kernel, dtype)), bias, name,
+                                 approximate=approximate)
+                    loss = tf.reduce_mean(tf.square(tf.cast(h, "float32")))
+                for w, g in zip(weights, tape.gradient(loss, weights)):
+                    w.assign_sub(1e-4 * g)
+                return loss
+            fn = tf.function(step, autograph=False)
+            return lambda: fn().numpy()
+
+        times = _interleaved({"xla": make(kops.bias_activation),
+                              "tf": make(kops.bias_activation_reference)}, rounds, 3)
+    (tc, tw), (xc, xw) = times["tf"], times["xla"]
+    speedup = min(tc / max(xc, 1e-12), tw / max(xw, 1e-12))
+    with _lock:
+        _epilogue_cache[key] = speedup
+    return speedup
+
+
+def chosen(model: keras.Model) -> str | None:
+    """How ``model``'s train step runs now under :func:`configure`.
+
+    Args:
+        model: a Keras model.
+
+    Returns:
+        ``"xla"``, ``"graph"``, ``"trial"`` (``"auto"``, still measuring),
+        or None where :func:`configure` never ran on ``model``.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    state = getattr(model, _ATTR, None)
+    return None if state is None else state.chosen

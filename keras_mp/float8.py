@@ -348,7 +348,9 @@ def _evidence(x, scale, history, fmt: str) -> tf.Tensor:
     amax = tf.reduce_max(tf.abs(x)) if x.shape.num_elements() != 0 else tf.constant(0.0)
     seen = tf.reduce_max(history)
     growth = tf.where(seen > 0.0, amax / tf.maximum(seen, 1e-30), 1.0)
-    a = tf.abs(forward._sample(x)) / scale
+    size = x.shape.num_elements()
+    stride = 1 if size is None or size <= forward.SAMPLE else -(-size // forward.SAMPLE)
+    a = tf.abs(tf.reshape(x, [-1])[::stride]) / scale  # fractions on a strided sample
     # Clipped to less than half its magnitude: with a margin of 0 the few
     # largest elements of a slowly growing tensor are clipped a little by
     # design (delayed scaling); that costs little.

@@ -138,7 +138,8 @@ class Hooks:
     def _observe(self, index: int, layer, args, kwargs, outputs) -> None:
         inputs = forward.floating_tensors((args, kwargs))
         outs = forward.floating_tensors(outputs)
-        vec = forward.layer_statistics(inputs, outs, layer.compute_dtype)
+        memo = self._slot().setdefault("ranges", {})
+        vec = forward.layer_statistics(inputs, outs, layer.compute_dtype, memo)
         seen = self._slot().setdefault("forward", {})
         seen[index] = vec if index not in seen else forward.combine(seen[index], vec)
 

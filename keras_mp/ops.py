@@ -298,7 +298,9 @@ def dense_activation(x, kernel, bias=None, activation: str | None = "linear", *,
     Where matmuls run under XLA (GPU/TPU, and CPUs without bfloat16 matmul
     hardware) the whole expression is one XLA computation; elsewhere the
     matmul runs in TensorFlow (oneDNN, which uses AMX) and the epilogue is
-    :func:`bias_activation`.
+    :func:`bias_activation`, or plain TensorFlow ops that TensorFlow fuses
+    into the matmul where that is faster
+    (:func:`keras_mp.xla.fuses_epilogue`).
 
     Args:
         x: float tensor, features on the last axis.
@@ -326,6 +328,12 @@ def dense_activation(x, kernel, bias=None, activation: str | None = "linear", *,
                          f"{kernel.shape[-1]}, got shape {bias.shape}.")
     if xla.uses_xla("matmul"):
         return _dense_xla(x, kernel, bias, act)
+    if not xla.fuses_epilogue(act):
+        # TensorFlow's graph optimizer fuses MatMul + bias + activation into
+        # one oneDNN call, faster than a separate XLA epilogue for these.
+        return bias_activation_reference(tf.matmul(x, tf.cast(kernel, x.dtype)) if
+                                          x.shape.rank == 2 else _matmul_last(x, kernel),
+                                          bias, activation, approximate=approximate)
     return bias_activation(_matmul_last(x, kernel), bias, activation, approximate=approximate)
 
 

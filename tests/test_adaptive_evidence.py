@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp import autofit, datasets, policies
+from keras_mp import autofit, datasets, execution, policies
 from keras_mp.callbacks import AdaptivePrecision
 from keras_mp.report import precision_report
 
@@ -107,7 +107,12 @@ def _regression_model(x):
         keras.layers.Dense(1, bias_initializer=keras.initializers.Constant(1000.0))])
 
 
-def test_bfloat16_rounding_loss_is_rescued_by_the_probe():
+def test_bfloat16_rounding_loss_is_rescued_by_the_probe(monkeypatch):
+    # As a TensorFlow graph, where bfloat16 ops round as they go: XLA:CPU,
+    # which keras_mp.execution may measure faster for this small model,
+    # computes bfloat16 dots and elementwise chains in float32 and leaves
+    # little rounding loss for the probe to find.
+    monkeypatch.setenv(execution.ENV_VAR, "graph")
     data = (_offset_regression(2048, 0), _offset_regression(1024, 1))
     kw = dict(epochs=8, batch_size=64, lr=3e-3, loss="mse", metrics=())
     mse32 = _fit(_regression_model, data, "float32", **kw)[1]

@@ -24,14 +24,14 @@ from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, dev
                       distribute, execution, export, float8, forward, hooks, kernels, layers,
                       loss_scale,
                       ops, optimizer, policies, precision_state, probe, quantization, report,
-                      stats, tuning, xla)
+                      stats, step_trial, tuning, xla)
 from keras_mp.fuse import fuse as fuse_model
 
 MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "datasets", "demo",
-           "deploy_demo",
-           "device", "distribute", "execution", "export", "float8", "forward", "fuse", "hooks",
-           "kernels", "layers", "loss_scale", "ops", "optimizer", "policies", "precision_state",
-           "probe", "quantization", "report", "rule", "stats", "tuning", "xla"]
+           "deploy_demo", "device", "distribute", "execution", "export", "float8", "forward",
+           "fuse", "hooks", "kernels", "layers", "loss_scale", "ops", "optimizer", "policies",
+           "precision_state", "probe", "quantization", "report", "rule", "stats", "step_trial",
+           "tuning", "xla"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -51,7 +51,7 @@ RECORDS = {
     "datasets.Loaded", "demo.DemoResult", "demo.DemoRun", "device.DeviceProfile",
     "kernels.GradientStatistics", "probe.ProbeResult",
     "report.PrecisionReport", "stats.IntervalStats", "xla.Kind",
-    "execution.ExecutionProfile",
+    "execution.ExecutionProfile", "step_trial.Record",
 }
 
 SGD = keras.optimizers.SGD
@@ -342,6 +342,23 @@ CASES = [
     ("execution.choose", lambda: execution.choose(["int8"]), ValueError, "`dtypes`"),
     ("execution.configure", lambda: execution.configure(3), TypeError, "`model`"),
     ("execution.configure", lambda: execution.configure(_model()), ValueError, "`model`"),
+    ("execution.chosen", lambda: execution.chosen("model"), TypeError, "`model`"),
+    ("execution.epilogue", lambda: execution.epilogue("softplus"), ValueError, "`activation`"),
+    ("execution.epilogue", lambda: execution.epilogue("relu", "int8"), ValueError, "`dtype`"),
+    ("xla.fuses_epilogue", lambda: xla.fuses_epilogue("softplus"), ValueError, "`activation`"),
+    ("xla.set_measured_epilogue", lambda: xla.set_measured_epilogue("relu", "QPU", True),
+     ValueError, "`device_type`"),
+    ("xla.set_measured_epilogue", lambda: xla.set_measured_epilogue("relu", "CPU", 1),
+     TypeError, "`fused`"),
+    ("xla.set_measured_epilogue", lambda: xla.set_measured_epilogue("elu", "CPU", True),
+     ValueError, "`activation`"),
+    ("step_trial.FirstCallGuard",
+     lambda: step_trial.FirstCallGuard("m", len, len, "E"), TypeError, "`model`"),
+    ("step_trial.StepTrial",
+     lambda: step_trial.StepTrial({}, len, len, 1.05, print), TypeError, "`record`"),
+    ("step_trial.StepTrial",
+     lambda: step_trial.StepTrial(step_trial.Record(), len, len, 0.5, print), ValueError,
+     "`margin`"),
 ]
 
 

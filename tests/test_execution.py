@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp import execution, xla
+from keras_mp import execution, step_trial, xla
 
 
 def _data(n=32):
@@ -77,7 +77,9 @@ def test_configure_modes_and_env_override(monkeypatch):
     with pytest.raises(ValueError, match=execution.ENV_VAR):
         execution.configure(fresh)
     monkeypatch.delenv(execution.ENV_VAR)
-    assert execution.configure(fresh) == execution.choose({"float32"})
+    # "auto" measures the model's own step on its next calls.
+    assert execution.configure(fresh) == "trial" and fresh.jit_compile is False
+    assert execution.chosen(fresh) == "trial"
     kept = _model()
     kept.compile(optimizer="adam", loss="mse", jit_compile=True)
     assert execution.configure(kept, mode="keep") == "xla" and kept.jit_compile is True
@@ -164,3 +166,79 @@ def test_measured_matmul_placement_and_set_xla_override():
         keras_mp.set_xla("matmul", None)
     with pytest.raises(ValueError, match="`device_type`"):
         xla.set_measured_default("matmul", "QPU", True)
+
+
+def _fake_clocks(monkeypatch, xla_factor):
+    """Makes every timed XLA call look ``xla_factor`` times the graph's."""
+    def timed(fn, data, mode):
+        out = fn(data)
+        t = 0.010 * (xla_factor if mode == "xla" else 1.0)
+        return out, t, t
+    monkeypatch.setattr(step_trial, "_timed", timed)
+
+
+@pytest.mark.parametrize("factor, expected", [(0.5, "xla"), (2.0, "graph"), (0.99, "graph")])
+def test_auto_measures_the_models_own_step(monkeypatch, caplog, factor, expected):
+    _fake_clocks(monkeypatch, factor)
+    x, y = _data(8 * 20)
+    model = _model()
+    assert execution.configure(model, mode="auto") == "trial"
+    calls = 2 * (2 + step_trial.PAIRS)
+    with caplog.at_level(logging.INFO, logger="keras_mp"):
+        model.fit(x[:8 * (calls - 1)], y[:8 * (calls - 1)], batch_size=8, verbose=0)
+        assert execution.chosen(model) == "trial"  # one call short of the decision
+        model.fit(x, y, batch_size=8, verbose=0)
+    # Every batch trained once, in whichever mode.
+    assert model.optimizer.iterations.numpy() == calls - 1 + 20
+    assert execution.chosen(model) == expected and model.jit_compile is (expected == "xla")
+    told = [r for r in caplog.records if "this model's train step runs" in r.getMessage()]
+    assert len(told) == 1 and "interleaved pairs" in told[0].getMessage()
+    assert execution.configure(model) == expected  # decided once per model and dtypes
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    assert model.jit_compile is (expected == "xla")
+    # A model trained in another mode first is measured when "auto" comes.
+    other = _model()
+    execution.configure(other, mode="graph")
+    other.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    assert execution.configure(other, mode="auto") == "trial"
+    other.fit(x[:8 * calls], y[:8 * calls], batch_size=8, verbose=0)
+    assert execution.chosen(other) == expected
+
+
+def test_auto_trial_falls_back_when_xla_cannot_compile(caplog):
+    x, y = _data()
+    model = _model(_NumpyDouble())
+    assert execution.configure(model, mode="auto") == "trial"
+    with caplog.at_level(logging.INFO, logger="keras_mp"):
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert model.optimizer.iterations.numpy() == 8  # the failed batch was rerun, not lost
+    assert execution.chosen(model) == "graph" and model.jit_compile is False
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING
+                and "XLA could not compile" in r.getMessage()]) == 1
+
+
+def test_epilogue_measurement_and_placement(monkeypatch):
+    s = execution.epilogue("relu", "float32", batch=16, width=32, rounds=1)
+    assert s > 0 and execution.epilogue("relu", "float32", batch=16, width=32, rounds=1) == s
+    with pytest.raises(ValueError, match="`activation`"):
+        execution.epilogue("softplus")
+    with pytest.raises(ValueError, match="`dtype`"):
+        execution.epilogue("relu", "int8")
+    with pytest.raises(ValueError, match="`device_type`"):
+        xla.set_measured_epilogue("relu", "QPU", True)
+    with pytest.raises(TypeError, match="`fused`"):
+        xla.set_measured_epilogue("relu", "CPU", 1)
+    monkeypatch.setattr(xla, "_epilogues", {})
+    xla.set_measured_epilogue("relu", "CPU", False)
+    assert xla.fuses_epilogue("relu", "CPU") is False
+    # The fused Dense computes the same either way.
+    layer = keras_mp.layers.Dense(4, activation="relu")
+    inputs = np.linspace(-1, 1, 12, dtype="float32").reshape(3, 4)
+    unfused = layer(inputs)
+    xla.set_measured_epilogue("relu", "CPU", True)
+    np.testing.assert_allclose(layer(inputs), unfused, atol=1e-6)
+    keras_mp.set_xla("elementwise", False)  # the override wins over a measurement
+    try:
+        assert xla.fuses_epilogue("relu", "CPU") is False
+    finally:
+        keras_mp.set_xla("elementwise", None)

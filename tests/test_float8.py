@@ -257,8 +257,10 @@ def test_outliers_promote_only_the_layer_they_reach(tmp_path):
     loaded = keras.saving.load_model(path)
     lp = keras_mp.policies.policy_of(loaded)
     assert [lp.dtype_of(p) for p in dense] == dtypes
-    np.testing.assert_array_equal(loaded.predict(xt[:64], verbose=0),
-                                  model.predict(xt[:64], verbose=0))
+    # called directly: the same ops (predict may run XLA in one and not the other,
+    # as keras_mp.execution measured; float8 rounding magnifies their difference)
+    np.testing.assert_array_equal(np.asarray(loaded(xt[:64], training=False), np.float32),
+                                  np.asarray(model(xt[:64], training=False), np.float32))
     for a, b in zip(model.layers, loaded.layers):
         for name in SCALE_VARS if float8.is_float8_layer(a) else ():
             np.testing.assert_array_equal(getattr(a, name).numpy(), getattr(b, name).numpy())
