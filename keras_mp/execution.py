@@ -353,6 +353,11 @@ def _build(model: keras.Model, state: _State, jit: bool) -> Callable[..., Any]:
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
     """A train function measuring graph against XLA on the model's first calls."""
     record = state.trials.setdefault(frozenset(_compute_dtypes(model)), step_trial.Record())
+    if record.decision is None:
+        # New train functions (rebuilt, or the callback's variants): the
+        # measurement restarts with them, so it never waits on a dropped one.
+        record.owner, record.calls = None, 0
+        record.samples = {"graph": [], "xla": []}
     xla_fn = _build(model, state, True)
     graph_fn = _build(model, state, False)  # jit_compile stays False until decided
 
