@@ -309,6 +309,7 @@ class _State:
     original: Callable[..., Any] | None = None
     # mode="auto": what the model's own step measured, per set of compute dtypes
     trials: dict[frozenset, step_trial.Record] = dataclasses.field(default_factory=dict)
+    built: str | None = None  # the mode the current train function was built for
 
 
 def _decide(model: keras.Model, state: _State) -> str:
@@ -352,6 +353,11 @@ def _build(model: keras.Model, state: _State, jit: bool) -> Callable[..., Any]:
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
     """A train function measuring graph against XLA on the model's first calls."""
     record = state.trials.setdefault(frozenset(_compute_dtypes(model)), step_trial.Record())
+    if record.decision is None:
+        # New train functions (rebuilt, or the callback's variants): the
+        # measurement restarts with them, so it never waits on a dropped one.
+        record.owner, record.calls = None, 0
+        record.samples = {"graph": [], "xla": []}
     xla_fn = _build(model, state, True)
     graph_fn = _build(model, state, False)  # jit_compile stays False until decided
 
@@ -377,7 +383,7 @@ def _install(model: keras.Model, state: _State) -> None:
         if model.train_function is not None and not force:
             return model.train_function
         chosen = _decide(model, state)  # again: the compute dtypes may have changed
-        state.chosen = chosen
+        state.chosen = state.built = chosen
         if chosen == "trial":
             model.train_function = _trial(model, state)
             return model.train_function
@@ -460,8 +466,8 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
         model.jit_compile = chosen == "xla"  # a trial starts as a graph
     if model.jit_compile != before:
         model.train_function = model.test_function = model.predict_function = None
-    elif chosen == "trial" and model.train_function is not None:
-        model.train_function = None  # built before: rebuilt to measure
+    elif chosen == "trial" and state.built != "trial" and model.train_function is not None:
+        model.train_function = None  # built for another mode: rebuilt to measure
     _set_matmul_placement(model)
     return chosen
 
