@@ -45,6 +45,14 @@ if "keras" not in sys.modules and not os.environ.get("KERAS_BACKEND"):
 with _native_stderr_hidden(_QUIET):
     import keras  # noqa: E402  (imports TensorFlow)
 
+if _QUIET:
+    # The command traces a model's step several times by design (statistics,
+    # probe, the graph/XLA trial of keras_mp.execution); TensorFlow's Python
+    # warnings about retracing are noise in its report.
+    import tensorflow as _tf  # noqa: E402
+
+    _tf.get_logger().setLevel("ERROR")
+
 if keras.backend.backend() != "tensorflow":
     raise ImportError(
         "keras_mp requires the TensorFlow backend of Keras, but the active "
