@@ -58,9 +58,8 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
 
-from keras_mp import controller, execution, float8, policies
+from keras_mp import controller, execution, float8, optimizer_setup, policies, tensorboard
 from keras_mp import loss_scale as loss_scale_lib  # `loss_scale` is an argument below
 from keras_mp import probe as probe_lib
 from keras_mp.hooks import Hooks
@@ -73,26 +72,6 @@ __all__ = ["AdaptivePrecision"]
 _STATS_ATTR = "_keras_mp_statistics"
 _STATE_ATTR = "_keras_mp_precision_state"
 _HOOKS_ATTR = "_keras_mp_hooks"
-_SCALAR_METADATA = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
-).SerializeToString()
-_BITS = {"float8": 8, "float16": 16, "bfloat16": 16, "float32": 32}
-
-
-def _scalar(tag: str, value: float) -> None:
-    # tf.summary.scalar lives in the tensorboard package, which training
-    # machines often lack; tf.summary.write with the scalars plugin's
-    # metadata writes the same event without it.
-    tf.summary.write(tag, tf.constant(float(value), tf.float32), metadata=_SCALAR_METADATA)
-
-
-def _scale_floor(schedule: loss_scale_lib.LossScaleSchedule) -> float | None:
-    """The smallest scale ``schedule`` reaches (None if unknown: every
-    non-finite step then counts against the layers)."""
-    if not schedule.is_dynamic:
-        return float(schedule.scale(schedule.initial_state()))
-    floor = getattr(schedule, "min_scale", None)
-    return float(floor) if floor is not None else None
 
 
 def _refresh(layer: keras.layers.Layer) -> None:
@@ -103,39 +82,6 @@ def _refresh(layer: keras.layers.Layer) -> None:
     finalize = getattr(layer, "finalize_state", None)
     if layer.built and callable(finalize):
         finalize()
-
-
-def _rebuild_optimizer(model: keras.Model) -> None:
-    """A fresh copy of the model's optimizer, built on its variables now:
-    :func:`keras_mp.float8.prepare` just added float8 variables that an
-    optimizer built before (``fit`` builds it before callbacks start) would
-    refuse. Only an optimizer that has not taken a step yet is replaced."""
-    opt = getattr(model, "optimizer", None)
-    if opt is None or not opt.built:
-        return
-    if int(keras.ops.convert_to_numpy(opt.iterations)) > 0:
-        raise ValueError(
-            "The model's optimizer has already trained without the float8 variables that "
-            "keras_mp.float8.prepare(model) adds; call it before the optimizer's first step "
-            "(before fit, or before optimizer.build in a custom loop).")
-    _replace_optimizer(model, lambda: keras.optimizers.deserialize(
-        keras.optimizers.serialize(opt)))
-
-
-def _replace_optimizer(model: keras.Model, make):
-    """``make()``'s optimizer, built on the model's variables, becomes the
-    model's (and its compile config's, so that a ``.keras`` file recompiles
-    with it and its saved variables load into it); the train function is
-    traced anew (one traced before would keep the old optimizer)."""
-    with model.distribute_strategy.scope():
-        new = make()
-        new.build(model.trainable_variables)
-    model.optimizer = new
-    compile_config = getattr(model, "_compile_config", None)
-    if compile_config is not None and "optimizer" in getattr(compile_config, "config", {}):
-        compile_config.config["optimizer"] = new
-    model.train_function = None
-    return new
 
 
 def _is_keras_train_step(model: keras.Model) -> bool:
@@ -247,7 +193,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
                 "call keras_mp.set_global_policy('adaptive') (or 'adaptive_bfloat16', "
                 "'adaptive_float16', or an AdaptivePolicy) before building the model.")
         if "float8" in policy.candidates and float8.prepare(model, policy):
-            _rebuild_optimizer(model)
+            optimizer_setup.rebuild_for_new_variables(model)
         layers = policies.adaptive_layers(model, policy)
         if not layers:
             raise ValueError("AdaptivePrecision found no layer under the model's "
@@ -301,7 +247,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
                 or isinstance(opt, keras.optimizers.LossScaleOptimizer)):
             opt = self._wrap_optimizer(model, opt)
         if isinstance(opt, LossScaleOptimizer):
-            self._stats.scale_floor = _scale_floor(opt.schedule)
+            self._stats.scale_floor = optimizer_setup.scale_floor(opt.schedule)
             opt.statistics_sink = sink
         else:
             self._stats.scale_floor = None
@@ -312,7 +258,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
         inner = opt.inner_optimizer if isinstance(opt, keras.optimizers.LossScaleOptimizer) \
             else opt
         schedule = self.loss_scale if self.loss_scale is not None else "dynamic"
-        return _replace_optimizer(model, lambda: LossScaleOptimizer(inner, schedule=schedule))
+        return optimizer_setup.replace_optimizer(
+            model, lambda: LossScaleOptimizer(inner, schedule=schedule))
 
     def _make_probe(self):
         model, policy, layers = self.model, self._policy, self._layers
@@ -575,20 +522,5 @@ class AdaptivePrecision(keras.callbacks.Callback):
             return
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
-        with self._writer.as_default(step=self._calls):
-            _scalar("precision/switches", len(made))
-            _scalar("precision/loss_scale", interval.mean_scale)
-            if interval.probe_steps:
-                _scalar("precision/probe_loss_error", interval.probe_loss_error)
-                _scalar("precision/probe_loss_noise_ratio", interval.probe_loss_noise_ratio)
-            for path, stats in zip(self._paths, interval.layers):
-                _scalar(f"precision/{path}/bits", _BITS[self._policy.dtype_of(path)])
-                keys = ["in_amax", "out_amax", "in_range", "out_nonfinite", "out_flushed"]
-                if stats.gradients:
-                    keys += ["nonfinite", "fp16_subnormal", "fp16_overflow", "bf16_subnormal"]
-                if stats.probe_steps:
-                    keys += ["grad_error", "cosine", "grad_noise_ratio"]
-                if self._policy.is_float8(path):
-                    keys += list(float8.FIELDS)
-                for key in keys:
-                    _scalar(f"precision/{path}/{key}", getattr(stats, key))
+        tensorboard.write_interval(self._writer, self._calls, self._policy, self._paths,
+                                   interval, len(made))

@@ -23,15 +23,15 @@ import keras_mp
 from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device,
                       distribute, execution, export, float8, forward, hooks, kernels, layers,
                       loss_scale,
-                      ops, optimizer, policies, precision_state, probe, quantization, report,
-                      stats, step_trial, tuning, xla)
+                      ops, optimizer, optimizer_setup, policies, precision_state, probe,
+                      quantization, report, stats, step_trial, tensorboard, tuning, xla)
 from keras_mp.fuse import fuse as fuse_model
 
 MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "datasets", "demo",
            "deploy_demo", "device", "distribute", "execution", "export", "float8", "forward",
            "fuse", "hooks", "kernels", "layers", "loss_scale", "ops", "optimizer", "policies",
-           "precision_state", "probe", "quantization", "report", "rule", "stats", "step_trial",
-           "tuning", "xla"]
+           "optimizer_setup", "precision_state", "probe", "quantization", "report", "rule",
+           "stats", "step_trial", "tensorboard", "tuning", "xla"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -278,6 +278,15 @@ CASES = [
     ("float8.release", lambda: float8.release(_model().layers[0]), ValueError, "`layer`"),
     ("float8.prepare", lambda: float8.prepare("model"), TypeError, "`model`"),
     ("stats.learned_variables", lambda: stats.learned_variables("dense"), TypeError, "`layer`"),
+    ("optimizer_setup.scale_floor", lambda: optimizer_setup.scale_floor(2.0), TypeError,
+     "`schedule`"),
+    ("optimizer_setup.replace_optimizer", lambda: optimizer_setup.replace_optimizer(
+        "model", SGD), TypeError, "`model`"),
+    ("optimizer_setup.rebuild_for_new_variables",
+     lambda: optimizer_setup.rebuild_for_new_variables("model"), TypeError, "`model`"),
+    ("tensorboard.write_interval", lambda: tensorboard.write_interval(
+        None, 0, policies.AdaptivePolicy(("bfloat16", "float32")), (), {}, 0), TypeError,
+     "`interval`"),
     ("policies.get", lambda: policies.get("adaptive_int8"), ValueError, "`policy`"),
     ("policies.set_global_policy", lambda: policies.set_global_policy("fp8"), ValueError,
      "`policy`"),

@@ -1,0 +1,72 @@
+"""How :class:`keras_mp.callbacks.AdaptivePrecision` sets up the model's
+optimizer: the smallest loss scale a schedule reaches (where non-finite
+gradients start to count against layers), and replacing the model's
+optimizer with a loss-scaling wrapper, or with a fresh copy when
+:func:`keras_mp.float8.prepare` added variables after ``fit`` built it.
+
+Example:
+    >>> from keras_mp import FixedLossScale, DynamicLossScale, optimizer_setup
+    >>> optimizer_setup.scale_floor(FixedLossScale(128.0))
+    128.0
+    >>> optimizer_setup.scale_floor(DynamicLossScale(min_scale=1.0))
+    1.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+
+from keras_mp import loss_scale
+
+__all__ = ["scale_floor", "replace_optimizer", "rebuild_for_new_variables"]
+
+
+def scale_floor(schedule: loss_scale.LossScaleSchedule) -> float | None:
+    """The smallest scale ``schedule`` reaches (None if unknown: every
+    non-finite step then counts against the layers)."""
+    if not isinstance(schedule, loss_scale.LossScaleSchedule):
+        raise TypeError(f"`schedule` must be a keras_mp LossScaleSchedule, got {schedule!r}.")
+    if not schedule.is_dynamic:
+        return float(schedule.scale(schedule.initial_state()))
+    floor = getattr(schedule, "min_scale", None)
+    return float(floor) if floor is not None else None
+
+
+def replace_optimizer(model: keras.Model, make: Callable[[], keras.optimizers.Optimizer]):
+    """``make()``'s optimizer, built on the model's variables, becomes the
+    model's (and its compile config's, so that a ``.keras`` file recompiles
+    with it and its saved variables load into it); the train function is
+    traced anew (one traced before would keep the old optimizer). Returns it."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r}.")
+    with model.distribute_strategy.scope():
+        new = make()
+        new.build(model.trainable_variables)
+    model.optimizer = new
+    compile_config = getattr(model, "_compile_config", None)
+    if compile_config is not None and "optimizer" in getattr(compile_config, "config", {}):
+        compile_config.config["optimizer"] = new
+    model.train_function = None
+    return new
+
+
+def rebuild_for_new_variables(model: keras.Model) -> None:
+    """A fresh copy of the model's optimizer, built on its variables now:
+    :func:`keras_mp.float8.prepare` just added float8 variables that an
+    optimizer built before (``fit`` builds it before callbacks start, under a
+    strategy) would refuse. Only an optimizer that has not taken a step yet is
+    replaced; otherwise a ``ValueError`` says what to do."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r}.")
+    opt = getattr(model, "optimizer", None)
+    if opt is None or not opt.built:
+        return
+    if int(keras.ops.convert_to_numpy(opt.iterations)) > 0:
+        raise ValueError(
+            "The model's optimizer has already trained without the float8 variables that "
+            "keras_mp.float8.prepare(model) adds; call it before the optimizer's first step "
+            "(before fit, or before optimizer.build in a custom loop).")
+    replace_optimizer(model, lambda: keras.optimizers.deserialize(
+        keras.optimizers.serialize(opt)))
