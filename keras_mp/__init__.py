@@ -7,7 +7,7 @@ for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
 from keras_mp import (autofit, callbacks, controller, device, distribute, execution, export,
-                      forward, hooks, kernels, layers, loss_scale, ops, policies,
+                      forward, fused_update, hooks, kernels, layers, loss_scale, ops, policies,
                       precision_state, probe, quantization, report, stats, xla)
 from keras_mp.distribute import patch_multi_worker
 from keras_mp.fuse import fuse
@@ -47,6 +47,7 @@ __all__ = [
     "export",
     "forward",
     "fuse",
+    "fused_update",
     "global_policy",
     "hooks",
     "kernels",

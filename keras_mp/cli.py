@@ -93,9 +93,10 @@ def _execution_lines(device_type: str) -> list[str]:
     override = os.environ.get(execution.ENV_VAR)
     lines.append(f"Train step under 'adaptive' ({', '.join(cands)}): this probe favours "
                  f"{execution.choose(cands, device_type)}; each model's own step is timed, "
-                 "graph vs XLA, on its first training calls"
+                 "as a graph, as a graph with the optimizer update under XLA, and under XLA, "
+                 "on its first training calls"
                  + (f" (but {execution.ENV_VAR}={override} overrides it)" if override else
-                    f" (override: {execution.ENV_VAR}=xla|graph|keep)"))
+                    f" (override: {execution.ENV_VAR}={'|'.join(execution.MODES[1:])})"))
     if cands[0] in ex.matmul and "xla" in ex.matmul[cands[0]]:
         lines.append(f"Fused layers' {cands[0]} matmuls, as measured: "
                      f"{'XLA' if ex.matmul_xla_wins(cands[0]) else 'TensorFlow graph'} "

@@ -76,13 +76,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mp import device, step_trial, xla
+from keras_mp import device, fused_update, step_trial, xla
 
 __all__ = ["MODES", "ENV_VAR", "MARGIN", "ExecutionProfile", "profile", "choose", "configure",
-           "chosen", "epilogue"]
+           "chosen", "candidate_modes", "epilogue"]
 
 #: Accepted values of ``mode`` and of the ``KERAS_MP_EXECUTION`` variable.
-MODES: tuple[str, ...] = ("auto", "xla", "graph", "keep")
+MODES: tuple[str, ...] = ("auto", "xla", "xla_update", "graph", "keep")
 #: The environment variable that overrides ``auto``.
 ENV_VAR = "KERAS_MP_EXECUTION"
 #: XLA must be at least this much faster (by CPU time and by wall time).
@@ -301,10 +301,10 @@ def _graph_only_reason(model: keras.Model) -> str | None:
 @dataclasses.dataclass
 class _State:
     mode: str
-    strict: bool = True  # mode="xla" from the argument: an error where XLA cannot be used
+    strict: bool = True  # mode="xla"/"xla_update" from the argument: an error where it cannot run
     explicit: bool = False  # mode from the argument: later configure(model) calls keep it
     chosen: str = "graph"
-    fell_back: bool = False
+    failed: set[str] = dataclasses.field(default_factory=set)  # modes that could not compile
     told: bool = False
     original: Callable[..., Any] | None = None
     # mode="auto": what the model's own step measured, per set of compute dtypes
@@ -312,30 +312,80 @@ class _State:
     built: str | None = None  # the mode the current train function was built for
 
 
+def _update_only_reason(model: keras.Model) -> str | None:
+    """Why the optimizer's update alone cannot be compiled (None when it can)."""
+    if getattr(model, "run_eagerly", False):
+        return "the model runs eagerly (run_eagerly=True)"
+    if getattr(model, "_distribute_strategy", None) is not None:
+        return "a distribution strategy is set (the update holds its all-reduce)"
+    if getattr(model, "optimizer", None) is None:
+        return "the model has no optimizer"
+    reason = fused_update.unsupported_reason(model.optimizer)
+    if reason is not None:
+        return reason
+    if not xla.xla_available():
+        return "XLA does not run on this device"
+    if not xla.uses_xla("elementwise"):
+        return "keras_mp.set_xla('elementwise', False) keeps elementwise work out of XLA"
+    return None
+
+
+def candidate_modes(model: keras.Model) -> tuple[str, ...]:
+    """The modes ``mode="auto"`` measures for ``model``: ``"graph"`` first,
+    then ``"xla_update"`` and ``"xla"`` where the model can use them.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile(optimizer="adam", loss="mse")
+        >>> candidate_modes(model)
+        ('graph', 'xla_update', 'xla')
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    state = getattr(model, _ATTR, None)
+    failed = state.failed if state is not None else set()
+    modes = ["graph"]
+    if _update_only_reason(model) is None and "xla_update" not in failed:
+        modes.append("xla_update")
+    if _graph_only_reason(model) is None and "xla" not in failed:
+        modes.append("xla")
+    return tuple(modes)
+
+
 def _decide(model: keras.Model, state: _State) -> str:
     if state.mode == "keep":
         return "xla" if model.jit_compile else "graph"
-    if state.fell_back or state.mode == "graph":
+    if state.mode == "graph" or state.mode in state.failed:
         return "graph"
-    reason = _graph_only_reason(model)
-    if reason is not None:
-        if state.mode == "xla" and state.strict:
-            raise ValueError(f"`mode`='xla' cannot be used for this model: {reason}.")
+    if state.mode in ("xla", "xla_update"):
+        reason = (_graph_only_reason if state.mode == "xla" else _update_only_reason)(model)
+        if reason is None:
+            return state.mode
+        if state.strict:
+            raise ValueError(f"`mode`={state.mode!r} cannot be used for this model: {reason}.")
         if not state.told:  # one message per model, not one per rebuild
             _log.info("keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
             state.told = True
         return "graph"
-    if state.mode == "xla":
-        return "xla"
+    if len(candidate_modes(model)) == 1:
+        if not state.told:
+            _log.info("keras_mp: the train step runs as a TensorFlow graph: %s.",
+                      _graph_only_reason(model) or "XLA could not compile it")
+            state.told = True
+        return "graph"
     record = state.trials.get(frozenset(_compute_dtypes(model)))
-    return record.decision if record is not None and record.decision else "trial"
+    if record is not None and record.decision:
+        return "graph" if record.decision in state.failed else record.decision
+    return "trial"
 
 
-def _fall_back(model: keras.Model, state: _State) -> Callable[[], Callable[..., Any]]:
-    """What a failed XLA compilation switches to: a graph train function."""
+def _fall_back(model: keras.Model, state: _State, mode: str) -> Callable[[], Callable[..., Any]]:
+    """What a failed compilation of ``mode`` switches to: a graph train function."""
 
     def graph():
-        state.fell_back, state.chosen = True, "graph"
+        state.failed.add(mode)
+        state.chosen = "graph"
         model.jit_compile = False
         state.original(force=True)
         model.test_function = model.predict_function = None
@@ -344,26 +394,40 @@ def _fall_back(model: keras.Model, state: _State) -> Callable[[], Callable[..., 
     return graph
 
 
-def _build(model: keras.Model, state: _State, jit: bool) -> Callable[..., Any]:
-    model.jit_compile = jit
+def _with_update(fn: Callable[..., Any], compiled: bool) -> Callable[..., Any]:
+    """``fn``, traced (now or on a retrace) with the optimizer's update
+    compiled by XLA or left to the graph."""
+
+    def train_function(iterator):
+        with fused_update.compiling(compiled):
+            return fn(iterator)
+
+    return train_function
+
+
+def _build(model: keras.Model, state: _State, mode: str) -> Callable[..., Any]:
+    model.jit_compile = mode == "xla"
     state.original(force=True)
-    return model.train_function
+    fn = model.train_function
+    if mode == "xla_update":
+        fused_update.install(model.optimizer)
+    return _with_update(fn, mode == "xla_update")
 
 
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
-    """A train function measuring graph against XLA on the model's first calls."""
+    """A train function measuring the model's candidate modes on its first calls."""
     record = state.trials.setdefault(frozenset(_compute_dtypes(model)), step_trial.Record())
     if record.decision is None:
         # New train functions (rebuilt, or the callback's variants): the
         # measurement restarts with them, so it never waits on a dropped one.
-        record.owner, record.calls = None, 0
-        record.samples = {"graph": [], "xla": []}
-    xla_fn = _build(model, state, True)
-    graph_fn = _build(model, state, False)  # jit_compile stays False until decided
-
-    def fell_back():
-        state.fell_back = True
-        return graph_fn
+        record.owner, record.calls, record.samples = None, 0, {}
+    candidates: dict[str, Callable[..., Any]] = {}
+    for mode in reversed(candidate_modes(model)):  # "graph" built last: jit_compile stays False
+        fn = _build(model, state, mode)
+        if mode != "graph":
+            fn = _guarded(model, state, mode, fn, graph=lambda: candidates["graph"])
+        candidates[mode] = fn
+    candidates = {m: candidates[m] for m in candidate_modes(model) if m in candidates}
 
     def decided(mode: str) -> None:
         state.chosen = mode
@@ -371,9 +435,17 @@ def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
             model.jit_compile = mode == "xla"
             model.test_function = model.predict_function = None
 
-    guard = step_trial.FirstCallGuard(model, xla_fn, fell_back, ENV_VAR,
-                                      known_failure=lambda: state.fell_back)
-    return step_trial.StepTrial(record, graph_fn, guard, MARGIN, decided)
+    return step_trial.StepTrial(record, candidates, MARGIN, decided)
+
+
+def _guarded(model: keras.Model, state: _State, mode: str, fn: Callable[..., Any],
+             graph: Callable[[], Callable[..., Any]]) -> step_trial.FirstCallGuard:
+    def fell_back():
+        state.failed.add(mode)
+        return graph()
+
+    return step_trial.FirstCallGuard(model, fn, fell_back, ENV_VAR,
+                                     known_failure=lambda: mode in state.failed)
 
 
 def _install(model: keras.Model, state: _State) -> None:
@@ -387,13 +459,14 @@ def _install(model: keras.Model, state: _State) -> None:
         if chosen == "trial":
             model.train_function = _trial(model, state)
             return model.train_function
-        if state.mode != "keep":
-            model.jit_compile = chosen == "xla"
-        original(force=True)
-        if model.jit_compile:
-            model.train_function = step_trial.FirstCallGuard(
-                model, model.train_function, _fall_back(model, state), ENV_VAR,
-                known_failure=lambda: state.fell_back)
+        if state.mode == "keep":
+            original(force=True)
+            return model.train_function
+        fn = _build(model, state, chosen)
+        if chosen != "graph":
+            fn = step_trial.FirstCallGuard(model, fn, _fall_back(model, state, chosen), ENV_VAR,
+                                           known_failure=lambda: chosen in state.failed)
+        model.train_function = fn
         return model.train_function
 
     state.original = original
@@ -448,16 +521,16 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     if not getattr(model, "compiled", False):
         raise ValueError("`model` must be compiled first: call model.compile(...), then "
                          "keras_mp.execution.configure(model).")
-    if mode == "xla" and source == "`mode`":
-        reason = _graph_only_reason(model)
+    if mode in ("xla", "xla_update") and source == "`mode`":
+        reason = (_graph_only_reason if mode == "xla" else _update_only_reason)(model)
         if reason is not None:  # before anything about the model changes
-            raise ValueError(f"`mode`='xla' cannot be used for this model: {reason}.")
+            raise ValueError(f"`mode`={mode!r} cannot be used for this model: {reason}.")
     if state is None:
         state = _State(mode)
         _install(model, state)
         setattr(model, _ATTR, state)
     elif state.mode != mode:
-        state.mode, state.fell_back = mode, False
+        state.mode, state.failed = mode, set()
     state.strict = state.explicit = source == "`mode`"
     before = model.jit_compile
     chosen = _decide(model, state)
@@ -466,8 +539,10 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
         model.jit_compile = chosen == "xla"  # a trial starts as a graph
     if model.jit_compile != before:
         model.train_function = model.test_function = model.predict_function = None
-    elif chosen == "trial" and state.built != "trial" and model.train_function is not None:
-        model.train_function = None  # built for another mode: rebuilt to measure
+    elif chosen != state.built and state.built != "trial" and model.train_function is not None:
+        # Built for another mode (or by Keras): rebuilt. (A trial's function
+        # runs whatever its measurement decided.)
+        model.train_function = None
     _set_matmul_placement(model)
     return chosen
 

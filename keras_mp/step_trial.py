@@ -1,4 +1,4 @@
-"""The model's own train step, timed as a TensorFlow graph and under XLA.
+"""The model's own train step, timed in each execution mode it can use.
 
 A micro-benchmark cannot tell whether XLA speeds a given model up: on a Xeon
 with AMX-BF16, XLA made an elementwise-heavy bfloat16 probe step 0.8-1.1x
@@ -6,21 +6,26 @@ the graph's speed (it varied from run to run), while it made a small
 bfloat16 CNN 3x slower (XLA:CPU runs convolutions and matmuls without AMX,
 oneDNN in the TensorFlow graph uses it). So ``mode="auto"`` in
 :func:`keras_mp.execution.configure` measures the model itself, on the
-batches it trains on (nothing is computed twice, no batch is skipped):
+batches it trains on (nothing is computed twice, no batch is skipped). The
+modes: ``"graph"`` (a TensorFlow graph, Keras's default), ``"xla_update"``
+(the same graph with only the optimizer's update compiled by XLA,
+:mod:`keras_mp.fused_update`) and ``"xla"`` (the whole step compiled):
 
-* the first calls of the train function alternate between a TensorFlow
-  graph and an XLA build of the same step: graph, XLA (tracing and
-  compilation), graph, XLA (warm-up, untimed), then :data:`PAIRS` timed pairs;
-* XLA is kept when its median call is at least
+* the first calls of the train function go round the modes: one call each
+  (tracing and compilation), one more each (warm-up, untimed), then
+  :data:`PAIRS` timed rounds;
+* a mode other than the graph is kept when its median call is at least
   :data:`keras_mp.execution.MARGIN` times faster than the graph's by process
-  CPU time **and** by wall time; otherwise the graph is kept;
+  CPU time **and** by wall time (the fastest such mode, by the smaller of
+  its two speed-ups); otherwise the graph is kept;
 * the decision holds for the model and its set of compute dtypes (a new
   set, after adaptive precision changes a layer's dtype, is measured anew);
   it is logged once (logger ``keras_mp``, INFO) with the figures.
 
-The cost: one XLA compilation of the train step and ``2 + PAIRS`` calls of
-the slower mode. If XLA cannot compile the step, the same batch is rerun
-as a graph, one warning says so, and the graph is kept.
+The cost: one XLA compilation of each mode and ``2 + PAIRS`` calls of each
+slower mode (:func:`calls_to_decide`). If a mode cannot compile, the same
+batch is rerun as a graph, one warning says so, and the trial goes on
+without that mode.
 """
 
 from __future__ import annotations
@@ -35,11 +40,24 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["PAIRS", "Record", "StepTrial", "FirstCallGuard"]
+__all__ = ["PAIRS", "Record", "StepTrial", "FirstCallGuard", "calls_to_decide"]
 
-#: Timed (graph, XLA) pairs of calls before the decision.
+#: Timed rounds (one call of each mode) before the decision.
 PAIRS = 4
 _WARMUP = 2  # untimed calls of each mode: tracing/compilation, then one more
+_NAMES = {"graph": "as a TensorFlow graph", "xla": "under XLA",
+          "xla_update": "as a TensorFlow graph with the optimizer update under XLA"}
+
+
+def calls_to_decide(modes: int) -> int:
+    """Train-function calls a trial of ``modes`` modes takes before deciding.
+
+    >>> calls_to_decide(3)
+    18
+    """
+    if isinstance(modes, bool) or not isinstance(modes, int) or modes < 2:
+        raise ValueError(f"`modes` must be an int >= 2, got {modes!r}.")
+    return modes * (_WARMUP + PAIRS)
 
 _log = logging.getLogger("keras_mp")
 
@@ -54,14 +72,15 @@ class Record:
             adaptive-precision statistics and probe variants) run as a graph
             until the decision.
         calls: calls of the owner so far.
-        samples: ``{"graph": [(cpu_s, wall_s), ...], "xla": [...]}``.
-        decision: ``"xla"``, ``"graph"`` or None while measuring.
+        samples: mode -> ``[(cpu_s, wall_s), ...]``, e.g.
+            ``{"graph": [...], "xla_update": [...], "xla": [...]}``.
+        decision: the chosen mode (``"graph"``, ``"xla_update"``, ``"xla"``)
+            or None while measuring.
     """
 
     owner: int | None = None
     calls: int = 0
-    samples: dict[str, list[tuple[float, float]]] = dataclasses.field(
-        default_factory=lambda: {"graph": [], "xla": []})
+    samples: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     decision: str | None = None
 
     def medians(self) -> dict[str, tuple[float, float]]:
@@ -153,57 +172,73 @@ class FirstCallGuard:
 
 
 class StepTrial:
-    """A train function that measures graph against XLA on its first calls
-    (see the module docstring), then runs the faster.
+    """A train function that measures its candidate modes on its first calls
+    (see the module docstring), then runs the fastest.
 
     Args:
         record: the shared :class:`Record` of the model and dtype set.
-        graph_fn: the train function built with ``jit_compile=False``.
-        xla_fn: the same built with ``jit_compile=True``, wrapped in a
-            :class:`FirstCallGuard`.
-        margin: how much faster XLA must be, by both clocks.
-        on_decision: called once with ``"xla"`` or ``"graph"``.
+        candidates: mode name -> train function, ``"graph"`` first (the
+            baseline, built with ``jit_compile=False``); the others (e.g.
+            ``"xla_update"``, ``"xla"``) wrapped in a :class:`FirstCallGuard`,
+            so that a mode that fails to compile drops out of the trial.
+        margin: how much faster than the graph another mode must be, by
+            both clocks.
+        on_decision: called once with the chosen mode's name.
     """
 
-    def __init__(self, record: Record, graph_fn: Callable[..., Any], xla_fn: FirstCallGuard,
+    def __init__(self, record: Record, candidates: dict[str, Callable[..., Any]],
                  margin: float, on_decision: Callable[[str], None]):
         if not isinstance(record, Record):
             raise TypeError(f"`record` must be a step_trial.Record, got {type(record).__name__}.")
+        if not isinstance(candidates, dict) or next(iter(candidates), None) != "graph" \
+                or len(candidates) < 2 or not all(callable(f) for f in candidates.values()):
+            raise ValueError("`candidates` must be a dict of at least two train functions, "
+                             f"'graph' first, got {candidates!r}.")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 1.0:
             raise ValueError(f"`margin` must be a number >= 1, got {margin!r}.")
-        self.record, self._graph, self._xla = record, graph_fn, xla_fn
+        self.record, self._fns = record, dict(candidates)
         self._margin, self._on_decision = margin, on_decision
+
+    def _modes(self) -> list[str]:
+        return [m for m, f in self._fns.items() if not getattr(f, "failed", False)]
 
     def __call__(self, iterator):
         rec = self.record
         if rec.decision is not None:
-            return (self._xla if rec.decision == "xla" else self._graph)(iterator)
+            return self._fns.get(rec.decision, self._fns["graph"])(iterator)
         if rec.owner is None:
             rec.owner = id(self)
         if rec.owner != id(self):
-            return self._graph(iterator)  # another variant measures; until then, graph
-        mode = "graph" if rec.calls % 2 == 0 else "xla"
-        fn = self._graph if mode == "graph" else self._xla
+            return self._fns["graph"](iterator)  # another variant measures; until then, graph
+        modes = self._modes()
+        mode = modes[rec.calls % len(modes)]
+        fn = self._fns[mode]
         out, cpu, wall = _timed(fn, iterator, mode)
         rec.calls += 1
-        if self._xla.failed:
-            self._decide("graph", "XLA could not compile the step")
-        elif rec.calls > 2 * _WARMUP:
-            rec.samples[mode].append((cpu, wall))
-            if rec.calls >= 2 * (_WARMUP + PAIRS):
-                self._decide_from_samples()
+        if getattr(fn, "failed", False):
+            # This mode could not compile (the guard reran the batch as a
+            # graph): the trial starts again without it.
+            rec.calls, rec.samples = 0, {}
+            if len(self._modes()) == 1:
+                self._decide("graph", "XLA could not compile the step")
+        elif rec.calls > _WARMUP * len(modes):
+            rec.samples.setdefault(mode, []).append((cpu, wall))
+            if rec.calls >= calls_to_decide(len(modes)):
+                self._decide_from_samples(modes)
         return out
 
-    def _decide_from_samples(self) -> None:
+    def _decide_from_samples(self, modes: list[str]) -> None:
         med = self.record.medians()
-        (gc, gw), (xc, xw) = med["graph"], med["xla"]
-        speedup = min(gc / max(xc, 1e-12), gw / max(xw, 1e-12))
-        why = (f"median per call over {PAIRS} interleaved pairs: graph {gc * 1e3:.1f} ms CPU / "
-               f"{gw * 1e3:.1f} ms wall, XLA {xc * 1e3:.1f} / {xw * 1e3:.1f}")
-        self._decide("xla" if speedup >= self._margin else "graph", why)
+        gc, gw = med["graph"]
+        speedup = {m: min(gc / max(med[m][0], 1e-12), gw / max(med[m][1], 1e-12))
+                   for m in modes if m != "graph"}
+        best = max(speedup, key=speedup.get)
+        times = ", ".join(f"{_NAMES.get(m, m)} {med[m][0] * 1e3:.1f} / {med[m][1] * 1e3:.1f}"
+                          for m in modes)
+        why = (f"median ms per call, CPU / wall, over {PAIRS} interleaved rounds: {times}")
+        self._decide(best if speedup[best] >= self._margin else "graph", why)
 
     def _decide(self, mode: str, why: str) -> None:
         self.record.decision = mode
-        _log.info("keras_mp: this model's train step runs %s (%s).",
-                  "under XLA" if mode == "xla" else "as a TensorFlow graph", why)
+        _log.info("keras_mp: this model's train step runs %s (%s).", _NAMES.get(mode, mode), why)
         self._on_decision(mode)

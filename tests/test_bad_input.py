@@ -21,7 +21,8 @@ import tensorflow as tf
 
 import keras_mp
 from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device,
-                      distribute, execution, export, float8, forward, hooks, kernels, layers,
+                      distribute, execution, export, float8, forward, fused_update, hooks,
+                      kernels, layers,
                       loss_scale,
                       ops, optimizer, optimizer_setup, policies, precision_state, probe,
                       quantization, report, stats, step_trial, tensorboard, tuning, xla)
@@ -29,7 +30,7 @@ from keras_mp.fuse import fuse as fuse_model
 
 MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "datasets", "demo",
            "deploy_demo", "device", "distribute", "execution", "export", "float8", "forward",
-           "fuse", "hooks", "kernels", "layers", "loss_scale", "ops", "optimizer", "policies",
+           "fuse", "fused_update", "hooks", "kernels", "layers", "loss_scale", "ops", "optimizer", "policies",
            "optimizer_setup", "precision_state", "probe", "quantization", "report", "rule",
            "stats", "step_trial", "tensorboard", "tuning", "xla"]
 
@@ -364,10 +365,24 @@ CASES = [
     ("step_trial.FirstCallGuard",
      lambda: step_trial.FirstCallGuard("m", len, len, "E"), TypeError, "`model`"),
     ("step_trial.StepTrial",
-     lambda: step_trial.StepTrial({}, len, len, 1.05, print), TypeError, "`record`"),
+     lambda: step_trial.StepTrial({}, {"graph": len, "xla": len}, 1.05, print), TypeError,
+     "`record`"),
     ("step_trial.StepTrial",
-     lambda: step_trial.StepTrial(step_trial.Record(), len, len, 0.5, print), ValueError,
-     "`margin`"),
+     lambda: step_trial.StepTrial(step_trial.Record(), {"xla": len, "graph": len}, 1.05, print),
+     ValueError, "`candidates`"),
+    ("step_trial.StepTrial",
+     lambda: step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 0.5, print),
+     ValueError, "`margin`"),
+    ("step_trial.calls_to_decide", lambda: step_trial.calls_to_decide(1), ValueError,
+     "`modes`"),
+    ("execution.candidate_modes", lambda: execution.candidate_modes("m"), TypeError, "`model`"),
+    ("fused_update.install", lambda: fused_update.install("adam"), TypeError, "`optimizer`"),
+    ("fused_update.is_installed", lambda: fused_update.is_installed(None), TypeError,
+     "`optimizer`"),
+    ("fused_update.unsupported_reason", lambda: fused_update.unsupported_reason(SGD), TypeError,
+     "`optimizer`"),
+    ("fused_update.compiling", lambda: _enter(fused_update.compiling("yes")), TypeError,
+     "`enabled`"),
 ]
 
 

@@ -123,11 +123,23 @@ def test_graph_only_features_say_why(monkeypatch):
     model = _model()
     model.compile(optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.Adam(),
                                                         max_consecutive_skips=3), loss="mse")
-    assert execution.configure(model, mode="auto") == "graph"
+    # The whole step cannot be compiled, the optimizer's update alone can.
+    assert execution.candidate_modes(model) == ("graph", "xla_update")
+    assert execution.configure(model, mode="auto") == "trial"
     with pytest.raises(ValueError, match="max_consecutive_skips"):
         execution.configure(model, mode="xla")
+    fresh = _model()
+    fresh.compile(optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.Adam(),
+                                                        max_consecutive_skips=3), loss="mse")
     monkeypatch.setenv(execution.ENV_VAR, "xla")  # a preference, not an error
-    assert execution.configure(model) == "graph"
+    assert execution.configure(fresh) == "graph"
+    monkeypatch.delenv(execution.ENV_VAR)
+    eager = _model()
+    eager.compile(optimizer="adam", loss="mse", run_eagerly=True)
+    assert execution.candidate_modes(eager) == ("graph",)
+    assert execution.configure(eager, mode="auto") == "graph"
+    with pytest.raises(ValueError, match="run_eagerly"):
+        execution.configure(eager, mode="xla_update")
 
 
 def test_adaptive_precision_applies_the_mode(monkeypatch):
@@ -168,31 +180,34 @@ def test_measured_matmul_placement_and_set_xla_override():
         xla.set_measured_default("matmul", "QPU", True)
 
 
-def _fake_clocks(monkeypatch, xla_factor):
-    """Makes every timed XLA call look ``xla_factor`` times the graph's."""
+def _fake_clocks(monkeypatch, factors):
+    """Makes every timed call of a mode look ``factors[mode]`` times the graph's."""
     def timed(fn, data, mode):
         out = fn(data)
-        t = 0.010 * (xla_factor if mode == "xla" else 1.0)
+        t = 0.010 * factors.get(mode, 1.0)
         return out, t, t
     monkeypatch.setattr(step_trial, "_timed", timed)
 
 
-@pytest.mark.parametrize("factor, expected", [(0.5, "xla"), (2.0, "graph"), (0.99, "graph")])
-def test_auto_measures_the_models_own_step(monkeypatch, caplog, factor, expected):
-    _fake_clocks(monkeypatch, factor)
-    x, y = _data(8 * 20)
+@pytest.mark.parametrize("factors, expected", [
+    ({"xla": 0.5}, "xla"), ({"xla": 2.0}, "graph"), ({"xla": 0.99, "xla_update": 0.98}, "graph"),
+    ({"xla": 0.8, "xla_update": 0.6}, "xla_update")])
+def test_auto_measures_the_models_own_step(monkeypatch, caplog, factors, expected):
+    _fake_clocks(monkeypatch, factors)
+    x, y = _data(8 * 30)
     model = _model()
     assert execution.configure(model, mode="auto") == "trial"
-    calls = 2 * (2 + step_trial.PAIRS)
+    assert execution.candidate_modes(model) == ("graph", "xla_update", "xla")
+    calls = step_trial.calls_to_decide(3)
     with caplog.at_level(logging.INFO, logger="keras_mp"):
         model.fit(x[:8 * (calls - 1)], y[:8 * (calls - 1)], batch_size=8, verbose=0)
         assert execution.chosen(model) == "trial"  # one call short of the decision
         model.fit(x, y, batch_size=8, verbose=0)
     # Every batch trained once, in whichever mode.
-    assert model.optimizer.iterations.numpy() == calls - 1 + 20
+    assert model.optimizer.iterations.numpy() == calls - 1 + 30
     assert execution.chosen(model) == expected and model.jit_compile is (expected == "xla")
     told = [r for r in caplog.records if "this model's train step runs" in r.getMessage()]
-    assert len(told) == 1 and "interleaved pairs" in told[0].getMessage()
+    assert len(told) == 1 and "interleaved rounds" in told[0].getMessage()
     assert execution.configure(model) == expected  # decided once per model and dtypes
     model.fit(x[:16], y[:16], batch_size=8, verbose=0)
     assert model.jit_compile is (expected == "xla")
@@ -210,9 +225,10 @@ def test_auto_trial_falls_back_when_xla_cannot_compile(caplog):
     model = _model(_NumpyDouble())
     assert execution.configure(model, mode="auto") == "trial"
     with caplog.at_level(logging.INFO, logger="keras_mp"):
-        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
-    assert model.optimizer.iterations.numpy() == 8  # the failed batch was rerun, not lost
-    assert execution.chosen(model) == "graph" and model.jit_compile is False
+        model.fit(x, y, batch_size=8, epochs=5, verbose=0)
+    assert model.optimizer.iterations.numpy() == 20  # the failed batch was rerun, not lost
+    # The whole step could not compile; the update alone could, and was measured.
+    assert execution.chosen(model) in ("graph", "xla_update") and model.jit_compile is False
     assert len([r for r in caplog.records if r.levelno == logging.WARNING
                 and "XLA could not compile" in r.getMessage()]) == 1
 
