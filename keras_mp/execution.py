@@ -22,9 +22,12 @@ probe step says little about a model whose time goes to convolutions or
 large matmuls (on an AMX-BF16 Xeon the bfloat16 probe step measured 0.8-1.1x
 under XLA from run to run, a bfloat16 CNN 0.3x). So with ``mode="auto"``
 :func:`configure` times **the model's own train step** on its first calls,
-as a graph and under XLA, alternating, on the batches it trains on, and
-keeps XLA only where it is at least :data:`MARGIN` faster by process CPU
-time and by wall time (:mod:`keras_mp.step_trial`). XLA is not tried at all
+on the batches it trains on, in each mode the model can use
+(:func:`candidate_modes`): ``"graph"``, ``"xla_update"`` (the graph with
+only the optimizer's update compiled by XLA, :mod:`keras_mp.fused_update`)
+and ``"xla"`` (the whole step compiled), and keeps another mode than the
+graph only where it is at least :data:`MARGIN` faster by process CPU time
+and by wall time (:mod:`keras_mp.step_trial`). XLA is not tried at all
 where the model cannot use it: a layer without ``supports_jit``, a
 distribution strategy, an optimizer that needs graph-only ops
 (``max_consecutive_skips`` names variables with string ops, which XLA
@@ -37,7 +40,8 @@ fails to compile the model's train step, training goes on as a TensorFlow
 graph with one warning, on the same batch (nothing is skipped).
 
 Override, strongest first: ``configure(model, mode=...)``, the environment
-variable ``KERAS_MP_EXECUTION`` (``auto``, ``xla``, ``graph`` or ``keep``),
+variable ``KERAS_MP_EXECUTION`` (``auto``, ``xla``, ``xla_update``, ``graph``
+or ``keep``),
 the default ``auto``. ``keep`` leaves ``model.jit_compile`` as
 ``model.compile`` set it.
 
@@ -57,8 +61,8 @@ Example:
     True
     >>> keras_mp.execution.configure(model, mode="auto")   # measured on the next calls
     'trial'
-    >>> _ = model.fit(np.ones((96, 4)), np.ones((96, 2)), batch_size=8, verbose=0)
-    >>> keras_mp.execution.chosen(model) in ("xla", "graph")
+    >>> _ = model.fit(np.ones((160, 4)), np.ones((160, 2)), batch_size=8, verbose=0)
+    >>> keras_mp.execution.chosen(model) in ("graph", "xla_update", "xla")
     True
 """
 
@@ -486,8 +490,8 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     Args:
         model: a compiled Keras model.
         mode: ``"auto"`` (measure the model's own step on its first
-            train-function calls, :mod:`keras_mp.step_trial`), ``"xla"``, ``"graph"``
-            or ``"keep"`` (leave ``model.jit_compile`` as compiled). When
+            train-function calls, :mod:`keras_mp.step_trial`), ``"xla"``,
+            ``"xla_update"``, ``"graph"`` or ``"keep"`` (leave ``model.jit_compile`` as compiled). When
             None: the mode an earlier ``configure(model, mode=...)`` gave
             this model (so the callback keeps a mode you chose), else the
             ``KERAS_MP_EXECUTION`` environment variable, else ``"auto"``.
@@ -495,7 +499,7 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
             use ``"keep"`` to keep it.
 
     Returns:
-        ``"xla"`` or ``"graph"``: the mode chosen now; ``"trial"`` when
+        ``"xla"``, ``"xla_update"`` or ``"graph"``: the mode chosen now; ``"trial"`` when
         ``"auto"`` has not measured this model (and its compute dtypes) yet:
         the next train-function calls measure it (:func:`chosen` tells the
         outcome).
@@ -651,7 +655,7 @@ def chosen(model: keras.Model) -> str | None:
         model: a Keras model.
 
     Returns:
-        ``"xla"``, ``"graph"``, ``"trial"`` (``"auto"``, still measuring),
+        ``"xla"``, ``"xla_update"``, ``"graph"``, ``"trial"`` (``"auto"``, still measuring),
         or None where :func:`configure` never ran on ``model``.
     """
     if not isinstance(model, keras.Model):

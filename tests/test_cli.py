@@ -86,7 +86,7 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     best = mlp["keras_mp"]["best_keras"]["wall"]
     assert best in ("keras_float32", "keras_float32_xla")
     assert mlp[best]["vs_best_keras"]["wall"] == pytest.approx(1.0)
-    assert mlp["keras_mp"]["mode"] in ("xla", "graph")
+    assert mlp["keras_mp"]["mode"] in ("xla", "xla_update", "graph")
     probe = mlp["keras_mp"]["probe"]  # None where "adaptive" is float32 alone
     assert probe is None or (probe["every"] == 200 and probe["per_step_cpu_s"] > 0)
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
