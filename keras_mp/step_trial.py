@@ -119,6 +119,31 @@ def _take(iterator, count: int) -> list:
     return batch
 
 
+def _replayable(iterator, count: int) -> Callable[[], Any]:
+    """The next ``count`` elements of ``iterator``, read once, as a function
+    returning a new iterator over them each time it is called.
+
+    For a ``tf.data`` iterator the new one has the same element spec, so
+    Keras's train function takes its iterator path and traces it once for
+    this call and all later ones (a list of batches would trace a second
+    function, ``one_step_on_data``, called from eager code, for one call).
+    Where the spec cannot be rebuilt (a distributed iterator), the elements
+    come back as a list, which Keras's train function also accepts.
+    """
+    batch = _take(iterator, count)
+    if isinstance(iterator, tf.data.Iterator):
+        spec = iterator.element_spec
+        try:
+            def make():
+                return iter(tf.data.Dataset.from_generator(lambda: iter(batch),
+                                                           output_signature=spec))
+            make()  # the spec is one from_generator can produce
+            return make
+        except (TypeError, ValueError):
+            pass
+    return lambda: batch
+
+
 class FirstCallGuard:
     """Runs an XLA train function; if its first call fails to compile,
     warns once, calls ``on_fail()`` for a graph train function and reruns
@@ -150,11 +175,11 @@ class FirstCallGuard:
         if self._known_failure():
             self._fn, self._checked, self.failed = self._on_fail(), True, True
             return self._fn(iterator)
-        data = iterator
+        data = lambda: iterator  # noqa: E731
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            data = _take(iterator, self._model.steps_per_execution)
+            data = _replayable(iterator, self._model.steps_per_execution)
         try:
-            out = self._fn(data)
+            out = self._fn(data())
         except (StopIteration, tf.errors.OutOfRangeError, KeyboardInterrupt):
             raise
         except Exception as e:  # noqa: BLE001 - any compile failure: graph instead
@@ -166,7 +191,7 @@ class FirstCallGuard:
                 type(e).__name__, first, self._env)
             self.failed = True
             self._fn = self._on_fail()
-            out = self._fn(data)
+            out = self._fn(data())
         self._checked = True
         return out
 
