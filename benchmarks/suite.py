@@ -350,7 +350,7 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
                 if v in ("keras_float32", "keras_mp") or \
                         pre[v] <= TOO_SLOW * pre["keras_float32"]:
                     # Warm-up, one epoch: for keras_mp, its measured choice
-                    # of graph or XLA (the first 12 calls) and the first
+                    # of execution mode (the first 18 calls) and the first
                     # statistics step (call 20) are traced here.
                     train()
             except Exception as e:  # noqa: BLE001 - e.g. XLA cannot compile this variant

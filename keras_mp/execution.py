@@ -82,7 +82,7 @@ import tensorflow as tf
 
 from keras_mp import device, fused_update, step_trial, xla
 
-__all__ = ["MODES", "ENV_VAR", "MARGIN", "ExecutionProfile", "profile", "choose", "configure",
+__all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose", "configure",
            "chosen", "candidate_modes", "epilogue"]
 
 #: Accepted values of ``mode`` and of the ``KERAS_MP_EXECUTION`` variable.
@@ -91,6 +91,9 @@ MODES: tuple[str, ...] = ("auto", "xla", "xla_update", "graph", "keep")
 ENV_VAR = "KERAS_MP_EXECUTION"
 #: XLA must be at least this much faster (by CPU time and by wall time).
 MARGIN = 1.05
+#: Past this fraction of the process's memory maps (:func:`keras_mp.xla.memory_maps`),
+#: no new XLA compilation is tried.
+MAPS_BUDGET = 0.5
 
 _ATTR = "_keras_mp_execution"
 _cache: dict[str, ExecutionProfile] = {}
@@ -281,6 +284,17 @@ def _compute_dtypes(model: keras.Model) -> set[str]:
                 "float32"}
 
 
+def _maps_reason() -> str | None:
+    """Why another XLA compilation could crash this process (None when not)."""
+    maps = xla.memory_maps()
+    if maps is None or maps[0] <= MAPS_BUDGET * maps[1]:
+        return None
+    return (f"this process holds {maps[0]} of the {maps[1]} memory maps Linux allows it "
+            "(vm.max_map_count) and TensorFlow never frees an XLA:CPU executable's, so "
+            "another XLA compilation could crash it; raise the limit (sysctl -w "
+            "vm.max_map_count=262144) or train new models in a new process")
+
+
 def _graph_only_reason(model: keras.Model) -> str | None:
     """Why XLA cannot be used for this model at all (None when it can)."""
     from keras.src.trainers.trainer import model_supports_jit
@@ -299,7 +313,7 @@ def _graph_only_reason(model: keras.Model) -> str | None:
         return f"layers that do not support XLA: {', '.join(names) or 'see Keras'}"
     if not xla.xla_available():
         return "XLA does not run on this device"
-    return None
+    return _maps_reason()
 
 
 @dataclasses.dataclass
@@ -331,7 +345,7 @@ def _update_only_reason(model: keras.Model) -> str | None:
         return "XLA does not run on this device"
     if not xla.uses_xla("elementwise"):
         return "keras_mp.set_xla('elementwise', False) keeps elementwise work out of XLA"
-    return None
+    return _maps_reason()
 
 
 def candidate_modes(model: keras.Model) -> tuple[str, ...]:
@@ -374,8 +388,9 @@ def _decide(model: keras.Model, state: _State) -> str:
         return "graph"
     if len(candidate_modes(model)) == 1:
         if not state.told:
-            _log.info("keras_mp: the train step runs as a TensorFlow graph: %s.",
-                      _graph_only_reason(model) or "XLA could not compile it")
+            reason = _graph_only_reason(model) or "XLA could not compile it"
+            _log.log(logging.WARNING if "memory maps" in reason else logging.INFO,
+                     "keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
             state.told = True
         return "graph"
     record = state.trials.get(frozenset(_compute_dtypes(model)))

@@ -39,7 +39,7 @@ MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "data
 NO_ARGUMENTS = {
     "distribute.keras_multi_worker_faults", "distribute.patch_multi_worker",
     "distribute.patched_faults", "distribute.unpatch_multi_worker",
-    "policies.global_policy", "xla.cpu_has_bf16_matmul", "datasets.default_data_dir",
+    "policies.global_policy", "xla.cpu_has_bf16_matmul", "xla.memory_maps", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "autofit.enabled", "autofit.install", "float8.install",

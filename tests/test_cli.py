@@ -29,6 +29,7 @@ def test_console_script_help_is_quiet():
     assert out.returncode == 0 and "usage: keras-mp demo" in out.stdout
 
 
+@pytest.mark.measured_execution
 def test_demo_shows_a_rescue_quietly_without_control_characters(tmp_path):
     """The README's command, as a user runs it, output captured (not a TTY)."""
     out = subprocess.run([_exe(), "demo", "--out", str(tmp_path)], capture_output=True,

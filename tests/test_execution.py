@@ -258,3 +258,22 @@ def test_epilogue_measurement_and_placement(monkeypatch):
         assert xla.fuses_epilogue("relu", "CPU") is False
     finally:
         keras_mp.set_xla("elementwise", None)
+
+
+def test_no_new_xla_compilation_near_the_memory_map_limit(monkeypatch, caplog):
+    """TensorFlow never frees an XLA:CPU executable's memory maps: past half
+    of vm.max_map_count, auto keeps the graph and says why, once."""
+    maps = xla.memory_maps()
+    assert maps is None or 0 < maps[0] < maps[1]
+    monkeypatch.setattr(xla, "memory_maps", lambda: (40000, 65530))
+    model = _model()
+    assert execution.candidate_modes(model) == ("graph",)
+    with caplog.at_level(logging.INFO, logger="keras_mp"):
+        assert execution.configure(model, mode="auto") == "graph"
+        model.fit(*_data(), batch_size=8, verbose=0)
+    told = [r for r in caplog.records if "vm.max_map_count" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.WARNING
+    with pytest.raises(ValueError, match="memory maps"):
+        execution.configure(_model(), mode="xla")
+    monkeypatch.setattr(xla, "memory_maps", lambda: None)  # not Linux: no limit known
+    assert execution.candidate_modes(_model()) == ("graph", "xla_update", "xla")
