@@ -82,8 +82,8 @@ import tensorflow as tf
 
 from keras_mp import device, fused_update, step_trial, xla
 
-__all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose", "configure",
-           "chosen", "candidate_modes", "epilogue"]
+__all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose",
+           "configure", "chosen", "candidate_modes", "epilogue"]
 
 #: Accepted values of ``mode`` and of the ``KERAS_MP_EXECUTION`` variable.
 MODES: tuple[str, ...] = ("auto", "xla", "xla_update", "graph", "keep")
@@ -413,12 +413,12 @@ def _fall_back(model: keras.Model, state: _State, mode: str) -> Callable[[], Cal
     return graph
 
 
-def _with_update(fn: Callable[..., Any], compiled: bool) -> Callable[..., Any]:
+def _with_update(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, traced (now or on a retrace) with the optimizer's update
-    compiled by XLA or left to the graph."""
+    compiled by XLA."""
 
     def train_function(iterator):
-        with fused_update.compiling(compiled):
+        with fused_update.compiling(True):
             return fn(iterator)
 
     return train_function
@@ -427,10 +427,10 @@ def _with_update(fn: Callable[..., Any], compiled: bool) -> Callable[..., Any]:
 def _build(model: keras.Model, state: _State, mode: str) -> Callable[..., Any]:
     model.jit_compile = mode == "xla"
     state.original(force=True)
-    fn = model.train_function
-    if mode == "xla_update":
-        fused_update.install(model.optimizer)
-    return _with_update(fn, mode == "xla_update")
+    if mode != "xla_update":
+        return model.train_function  # traced as Keras traces it: nothing added per call
+    fused_update.install(model.optimizer)
+    return _with_update(model.train_function)
 
 
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
@@ -440,13 +440,14 @@ def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
         # New train functions (rebuilt, or the callback's variants): the
         # measurement restarts with them, so it never waits on a dropped one.
         record.owner, record.calls, record.samples = None, 0, {}
+    modes = candidate_modes(model)
     candidates: dict[str, Callable[..., Any]] = {}
-    for mode in reversed(candidate_modes(model)):  # "graph" built last: jit_compile stays False
+    for mode in reversed(modes):  # "graph" built last: jit_compile stays False
         fn = _build(model, state, mode)
         if mode != "graph":
             fn = _guarded(model, state, mode, fn, graph=lambda: candidates["graph"])
         candidates[mode] = fn
-    candidates = {m: candidates[m] for m in candidate_modes(model) if m in candidates}
+    candidates = {m: candidates[m] for m in modes}
 
     def decided(mode: str) -> None:
         state.chosen = mode
