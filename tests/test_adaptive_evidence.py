@@ -20,9 +20,10 @@ from keras_mp.callbacks import AdaptivePrecision
 from keras_mp.report import precision_report
 
 
-def _fit(build, data, policy, cbs=(), *, epochs, batch_size, lr, loss, metrics=("accuracy",)):
+def _fit(build, data, policy, cbs=(), *, epochs, batch_size, lr, loss, metrics=("accuracy",),
+         seed=0):
     keras.utils.clear_session()
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(seed)
     policies.set_global_policy(policy)
     (x, y), (xv, yv) = data
     model = build(x)
@@ -149,25 +150,36 @@ def _attention_model(x):
 
 
 def test_float16_attention_logits_overflow_is_rescued():
-    data = (_sequences(1024, 0), _sequences(512, 1))
+    # Accuracy is averaged over three seeds on 2048 test rows: one seed on 512
+    # rows has a sampling spread of about 2 points (sqrt(0.75 * 0.25 / 512)),
+    # twice the margin asserted, and it went either way between machines
+    # (AMX Xeon: adaptive 0.7402 vs float32 0.7324; AVX512-BF16 EPYC: 0.7168
+    # vs 0.7324). Paired by seed, the mean difference has a spread of about
+    # 0.3 points, so the 1-point margin is about three of them.
+    data = (_sequences(1024, 0), _sequences(2048, 1))
     kw = dict(epochs=4, batch_size=32, lr=1e-3,
               loss=keras.losses.BinaryCrossentropy(from_logits=True))
-    acc32 = _fit(_attention_model, data, "float32", **kw)[1][1]
     acc16 = _fit(_attention_model, data, "mixed_float16", **kw)[1][1]
-    cb = AdaptivePrecision(interval=8)
-    model, (_, acc) = _fit(_attention_model, data, "adaptive_float16", [cb], **kw)
-    print(f"attention: float32 {acc32:.4f}  mixed_float16 {acc16:.4f}  adaptive {acc:.4f}")
-    print(precision_report(model))
-    assert acc16 <= acc32 - 0.1
-    assert acc >= acc32 - 0.01
-    mha = next(layer for layer in model.layers
-               if isinstance(layer, keras.layers.MultiHeadAttention))
-    first = cb.events[0]
-    assert (first["layer"], first["reason"]) == (mha.path, "output_nonfinite")
-    # the composite takes its projections along: the scores come out of them
-    assert mha.compute_dtype == "float32" and mha._query_dense.compute_dtype == "float32"
-    assert {e["reason"] for e in cb.events[1:7]} == {"with_parent"}
-    _assert_mostly_narrow(model, "float16")
+    acc32, acc = [], []
+    for seed in (0, 1, 2):
+        acc32.append(_fit(_attention_model, data, "float32", seed=seed, **kw)[1][1])
+        cb = AdaptivePrecision(interval=8)
+        model, (_, a) = _fit(_attention_model, data, "adaptive_float16", [cb], seed=seed, **kw)
+        acc.append(a)
+        print(f"attention, seed {seed}: float32 {acc32[-1]:.4f}  adaptive {a:.4f}")
+        print(precision_report(model))
+        mha = next(layer for layer in model.layers
+                   if isinstance(layer, keras.layers.MultiHeadAttention))
+        first = cb.events[0]
+        assert (first["layer"], first["reason"]) == (mha.path, "output_nonfinite")
+        # the composite takes its projections along: the scores come out of them
+        assert mha.compute_dtype == "float32" and mha._query_dense.compute_dtype == "float32"
+        assert {e["reason"] for e in cb.events[1:7]} == {"with_parent"}
+        _assert_mostly_narrow(model, "float16")
+    print(f"attention: mixed_float16 {acc16:.4f}  float32 mean {np.mean(acc32):.4f}  "
+          f"adaptive mean {np.mean(acc):.4f}")
+    assert acc16 <= acc32[0] - 0.1
+    assert np.mean(acc) >= np.mean(acc32) - 0.01
 
 
 # -- healthy models: no false promotion ----------------------------------------
