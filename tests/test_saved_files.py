@@ -1,0 +1,55 @@
+"""``.keras`` files saved by earlier keras-mp code still load: the registered
+names (``keras_mp>...``) are what Keras resolves, whatever module a class
+lives in now. The files in ``tests/data/saved_0_1_0/`` were written by that
+folder's ``make.py`` before the package was split into subpackages.
+"""
+
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+
+HERE = pathlib.Path(__file__).parent / "data" / "saved_0_1_0"
+NAMES = ["adaptive_float16", "fused_bfloat16", "adaptive_float8"]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    with np.load(HERE / "expected.npz") as f:
+        return dict(f)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_file_saved_before_the_layout_loads_predicts_and_trains(name, expected):
+    model = keras.saving.load_model(HERE / f"{name}.keras")
+    x = expected[f"{name}/x"]
+    np.testing.assert_allclose(np.asarray(model.predict(x, verbose=0), "float32"), expected[f"{name}/y"],
+                               rtol=1e-5, atol=1e-6)
+    assert [f"{layer.name}:{layer.compute_dtype}" for layer in model.layers
+         if not isinstance(layer, keras.layers.InputLayer)] == \
+        list(expected[f"{name}/dtypes"])
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == \
+        int(expected[f"{name}/iterations"])
+    if not np.isnan(expected[f"{name}/loss_scale"]):
+        assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+        assert float(keras.ops.convert_to_numpy(model.optimizer.loss_scale)) == \
+            float(expected[f"{name}/loss_scale"])
+    policy = keras_mp.policies.policy_of(model)
+    if name.startswith("adaptive"):
+        assert isinstance(policy, keras_mp.AdaptivePolicy)
+    if name == "adaptive_float8":
+        assert all(policy.is_float8(layer.path) for layer in model.layers)
+    if name == "fused_bfloat16":
+        assert {type(layer).__name__ for layer in model.layers} >= {
+            "Dense", "LayerNormalization", "MultiHeadAttention", "RMSNormalization", "Softmax"}
+        assert all(type(layer).__module__.startswith("keras_mp") for layer in model.layers
+                   if type(layer).__name__ in ("LayerNormalization", "MultiHeadAttention"))
+    # it trains on: the loaded optimizer takes further steps
+    y = np.asarray(model.predict(x, verbose=0), "float32")
+    target = np.argmax(y, -1) if name == "fused_bfloat16" else (y > 0).astype("float32")
+    model.fit(x, target, batch_size=4, epochs=1, verbose=0)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) > \
+        int(expected[f"{name}/iterations"])
