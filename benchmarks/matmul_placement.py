@@ -8,7 +8,7 @@ Times forward+backward of the two matmul shapes of a Transformer block at
 batch 8 (an ``EinsumDense`` projection 8x128x512 -> 8x128x8x64, and the
 attention core: scores, softmax, context), in float32 and bfloat16, as a
 TensorFlow graph and under XLA. This is the measurement behind
-:func:`keras_mp.xla.uses_xla` for ``"matmul"`` on CPU: on CPUs with AMX
+:func:`keras_mp.device.xla.uses_xla` for ``"matmul"`` on CPU: on CPUs with AMX
 TensorFlow's bfloat16 matmuls win, on CPUs without bfloat16 hardware XLA's.
 """
 
@@ -23,7 +23,7 @@ quiet_tensorflow()
 
 import tensorflow as tf  # noqa: E402
 
-from keras_mp import xla  # noqa: E402
+from keras_mp.device import xla
 
 
 def _projection(x, w):

@@ -15,7 +15,7 @@ memory traffic):
   tensor, then a reduction of the 200 flags (what a per-tensor loss scaler
   does);
 * ``multi_tensor``: :func:`keras_mp.kernels.unscale_and_check`, placed by
-  :mod:`keras_mp.xla` (on CPU a TensorFlow graph);
+  :mod:`keras_mp.device.xla` (on CPU a TensorFlow graph);
 * ``multi_tensor_xla``: the same kernel forced under XLA.
 
 Target: multi-tensor at least 2x faster. Bound: on a memory-bound CPU the
@@ -36,7 +36,8 @@ quiet_tensorflow()
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_mp import kernels, xla  # noqa: E402
+from keras_mp import kernels
+from keras_mp.device import xla
 
 N_TENSORS = 200
 
@@ -84,7 +85,7 @@ def _measure(d: int, quick: bool) -> dict:
 
     per_tensor_loop = step_with(per_tensor)
     multi_tensor = step_with(kernels.unscale_and_check)
-    # The kernel as placed by keras_mp.xla (on CPU: a TensorFlow graph), and
+    # The kernel as placed by keras_mp.device.xla (on CPU: a TensorFlow graph), and
     # forced under XLA; the placement is read when the step is traced.
     multi_tensor_xla = step_with(kernels.unscale_and_check)
     xla.set_xla("multi_tensor", True)

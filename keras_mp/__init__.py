@@ -8,7 +8,8 @@ for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
 from keras_mp import (autofit, callbacks, controller, device, distribute, execution, export,
                       forward, fused_update, hooks, kernels, layers, loss_scale, ops, policies,
-                      precision_state, probe, quantization, report, stats, xla)
+                      precision_state, probe, quantization, report, stats)
+from keras_mp.device import xla
 from keras_mp.distribute import patch_multi_worker
 from keras_mp.fuse import fuse
 from keras_mp.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
@@ -17,7 +18,7 @@ from keras_mp.optimizer import LossScaleOptimizer
 from keras_mp.policies import AdaptivePolicy, global_policy, policy_scope, set_global_policy
 from keras_mp.quantization import quantize
 from keras_mp.report import precision_report
-from keras_mp.xla import set_xla, uses_xla
+from keras_mp.device.xla import set_xla, uses_xla
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ oneDNN kernels do. So the choice is measured, once per process and device:
   (:func:`keras_mp.device.default_candidates`), in interleaved rounds, by
   process CPU time and by wall time;
 * a matmul in the same dtypes, graph and XLA, which decides where the fused
-  layers' matmuls run (:func:`keras_mp.xla.uses_xla` ``("matmul")``).
+  layers' matmuls run (:func:`keras_mp.device.xla.uses_xla` ``("matmul")``).
 
 That micro-benchmark is what ``keras-mp info`` shows and what
 :func:`choose` answers; it does not decide for a model. An elementwise-heavy
@@ -80,7 +80,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mp import device, fused_update, step_trial, xla
+from keras_mp import device, fused_update, step_trial
+from keras_mp.device import xla
 
 __all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose",
            "configure", "chosen", "candidate_modes", "epilogue"]
@@ -91,7 +92,7 @@ MODES: tuple[str, ...] = ("auto", "xla", "xla_update", "graph", "keep")
 ENV_VAR = "KERAS_MP_EXECUTION"
 #: XLA must be at least this much faster (by CPU time and by wall time).
 MARGIN = 1.05
-#: Past this fraction of the process's memory maps (:func:`keras_mp.xla.memory_maps`),
+#: Past this fraction of the process's memory maps (:func:`keras_mp.device.xla.memory_maps`),
 #: no new XLA compilation is tried.
 MAPS_BUDGET = 0.5
 

@@ -44,7 +44,7 @@ import keras
 import ml_dtypes
 import tensorflow as tf
 
-from keras_mp import xla
+from keras_mp.device import xla
 
 __all__ = ["FIELDS", "MAX_FIELDS", "MEAN_FIELDS", "FLOAT8_FIELDS", "NEAR_MAX", "dtype_max",
            "dtype_tiny", "floating_tensors", "layer_statistics"]

@@ -4,7 +4,7 @@ Every step of mixed-precision training touches every gradient twice outside
 the matmuls: to undo the loss scale and to check that it is finite. Done per
 tensor that is hundreds of tiny ops; here it is one computation, XLA-compiled
 where that pays (GPU/TPU: one launch instead of hundreds; on CPU it runs as a
-TensorFlow graph, see :mod:`keras_mp.xla`). The same pass can also
+TensorFlow graph, see :mod:`keras_mp.device.xla`). The same pass can also
 measure the statistics that the adaptive precision policy needs, so the loss
 scaler and the policy share one mechanism.
 
@@ -36,7 +36,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from keras_mp import xla
+from keras_mp.device import xla
 
 __all__ = [
     "GradientStatistics",

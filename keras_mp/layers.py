@@ -28,7 +28,7 @@ import keras
 from keras import ops
 
 from keras_mp import ops as kops
-from keras_mp import xla
+from keras_mp.device import xla
 
 __all__ = ["Dense", "LayerNormalization", "MultiHeadAttention", "RMSNormalization", "Softmax",
            "FUSED_LAYERS"]
@@ -56,7 +56,7 @@ def _last_axis(axis: Any, rank: int | None) -> bool:
 class Dense(keras.layers.Dense):
     """``keras.layers.Dense`` with bias and activation fused after the matmul.
 
-    The matmul runs where :mod:`keras_mp.xla` places it (oneDNN on CPUs
+    The matmul runs where :mod:`keras_mp.device.xla` places it (oneDNN on CPUs
     with AMX, which XLA:CPU does not use; XLA elsewhere), the epilogue
     ``activation(x @ kernel + bias)`` is one XLA kernel forward and one
     backward (or part of the matmul's XLA computation). Activations fused: None/linear, relu, gelu (exact, as Keras's
@@ -86,7 +86,7 @@ class Dense(keras.layers.Dense):
     def call(self, inputs, training=None):
         if not self.fused:
             return super().call(inputs, training=training)
-        # keras_mp.xla places the matmul: outside XLA on CPUs with AMX (oneDNN
+        # keras_mp.device.xla places the matmul: outside XLA on CPUs with AMX (oneDNN
         # runs bf16 matmuls ~3x faster than XLA:CPU there), inside elsewhere.
         name, approximate = _FUSED_ACTIVATIONS[self.activation]
         return kops.dense_activation(inputs, self.kernel, self.bias, name,
@@ -204,7 +204,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     """``keras.layers.MultiHeadAttention`` with the unmasked rank-3 case as
     one XLA computation (projections, scores, float32 softmax, output).
 
-    Fused where :mod:`keras_mp.xla` compiles matmuls (GPU/TPU, CPUs without
+    Fused where :mod:`keras_mp.device.xla` compiles matmuls (GPU/TPU, CPUs without
     bfloat16 matmul hardware, where TensorFlow's bfloat16 einsums are
     emulated and ~30x slower than XLA's) and the call has no mask (explicit,
     causal or carried by the inputs), no attention scores returned and no

@@ -14,7 +14,7 @@ Every fused op:
 * returns its result in the dtype of its main input (``x`` or ``logits``);
   parameter gradients come back in each parameter's own dtype;
 * computes in float32 whatever the input dtype (statistics included);
-* is XLA-compiled where :func:`keras_mp.xla.uses_xla` says so for
+* is XLA-compiled where :func:`keras_mp.device.xla.uses_xla` says so for
   ``"elementwise"`` work, and otherwise runs its ``*_reference`` twin, which
   is what Keras itself computes (in the input dtype).
 
@@ -36,7 +36,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_mp import xla
+from keras_mp.device import xla
 
 __all__ = [
     "ACTIVATIONS",
@@ -293,14 +293,14 @@ def _dense_xla(x, kernel, bias, act):
 
 def dense_activation(x, kernel, bias=None, activation: str | None = "linear", *,
                      approximate: bool = False) -> tf.Tensor:
-    """``activation(x @ kernel + bias)``, placed by :mod:`keras_mp.xla`.
+    """``activation(x @ kernel + bias)``, placed by :mod:`keras_mp.device.xla`.
 
     Where matmuls run under XLA (GPU/TPU, and CPUs without bfloat16 matmul
     hardware) the whole expression is one XLA computation; elsewhere the
     matmul runs in TensorFlow (oneDNN, which uses AMX) and the epilogue is
     :func:`bias_activation`, or plain TensorFlow ops that TensorFlow fuses
     into the matmul where that is faster
-    (:func:`keras_mp.xla.fuses_epilogue`).
+    (:func:`keras_mp.device.xla.fuses_epilogue`).
 
     Args:
         x: float tensor, features on the last axis.
@@ -802,4 +802,4 @@ _FUSED: dict[str, tuple[Callable, ...]] = {
     "sparse_softmax_cross_entropy": (_ce_fwd, _ce_bwd),
 }
 """op name -> its (forward, backward) kernels; each has ``.compiled`` and
-``.plain`` variants (see :func:`keras_mp.xla.jit`), for tests and tooling."""
+``.plain`` variants (see :func:`keras_mp.device.xla.jit`), for tests and tooling."""

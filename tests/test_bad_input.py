@@ -20,26 +20,25 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device,
-                      distribute, execution, export, float8, forward, fused_update, hooks,
-                      kernels, layers,
-                      loss_scale,
-                      ops, optimizer, optimizer_setup, policies, precision_state, probe,
-                      quantization, report, stats, step_trial, tensorboard, tuning, xla)
+from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device, distribute,
+                      execution, export, float8, forward, fused_update, hooks, kernels, layers,
+                      loss_scale, ops, optimizer, optimizer_setup, policies, precision_state,
+                      probe, quantization, report, stats, step_trial, tensorboard, tuning)
+from keras_mp.device import xla
 from keras_mp.fuse import fuse as fuse_model
 
 MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "datasets", "demo",
-           "deploy_demo", "device", "distribute", "execution", "export", "float8", "forward",
+           "deploy_demo", "device", "device.capabilities", "device.xla", "distribute", "execution", "export", "float8", "forward",
            "fuse", "fused_update", "hooks", "kernels", "layers", "loss_scale", "ops", "optimizer", "policies",
            "optimizer_setup", "precision_state", "probe", "quantization", "report", "rule",
-           "stats", "step_trial", "tensorboard", "tuning", "xla"]
+           "stats", "step_trial", "tensorboard", "tuning"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
 NO_ARGUMENTS = {
     "distribute.keras_multi_worker_faults", "distribute.patch_multi_worker",
     "distribute.patched_faults", "distribute.unpatch_multi_worker",
-    "policies.global_policy", "xla.cpu_has_bf16_matmul", "xla.memory_maps", "datasets.default_data_dir",
+    "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "autofit.enabled", "autofit.install", "float8.install",
@@ -49,9 +48,9 @@ NO_ARGUMENTS = {
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
     "rule.Switch", "rule.Decision", "rule.LayerStats",
-    "datasets.Loaded", "demo.DemoResult", "demo.DemoRun", "device.DeviceProfile",
+    "datasets.Loaded", "demo.DemoResult", "demo.DemoRun", "device.capabilities.DeviceProfile",
     "kernels.GradientStatistics", "probe.ProbeResult",
-    "report.PrecisionReport", "stats.IntervalStats", "xla.Kind",
+    "report.PrecisionReport", "stats.IntervalStats", "device.xla.Kind",
     "execution.ExecutionProfile", "step_trial.Record",
 }
 
@@ -155,12 +154,12 @@ CASES = [
     ("demo.run_demo", lambda: importlib.import_module("keras_mp.demo").run_demo(epochs=0),
      ValueError, "`epochs`"),
     # device
-    ("device.profile", lambda: device.profile("QPU"), ValueError, "`device_type`"),
-    ("device.profile", lambda: device.profile(size=8), ValueError, "`size`"),
-    ("device.profile", lambda: device.profile(repeats=0), ValueError, "`repeats`"),
-    ("device.cpu_flags", lambda: device.cpu_flags(3), TypeError, "`cpuinfo`"),
-    ("device.fast_dtypes", lambda: device.fast_dtypes("QPU"), ValueError, "`device_type`"),
-    ("device.default_candidates", lambda: device.default_candidates("QPU"), ValueError,
+    ("device.capabilities.profile", lambda: device.profile("QPU"), ValueError, "`device_type`"),
+    ("device.capabilities.profile", lambda: device.profile(size=8), ValueError, "`size`"),
+    ("device.capabilities.profile", lambda: device.profile(repeats=0), ValueError, "`repeats`"),
+    ("device.capabilities.cpu_flags", lambda: device.cpu_flags(3), TypeError, "`cpuinfo`"),
+    ("device.capabilities.fast_dtypes", lambda: device.fast_dtypes("QPU"), ValueError, "`device_type`"),
+    ("device.capabilities.default_candidates", lambda: device.default_candidates("QPU"), ValueError,
      "`device_type`"),
     # distribute
     ("distribute.check_strategy", lambda: distribute.check_strategy("mirrored"), TypeError,
@@ -314,11 +313,11 @@ CASES = [
     ("tuning.PrecisionHyperModel", lambda: tuning.PrecisionHyperModel(
         lambda hp: _model(), policies=["fp8"]), ValueError, "`policies`"),
     # xla
-    ("xla.set_xla", lambda: xla.set_xla("gpu", True), ValueError, "`kind`"),
-    ("xla.set_xla", lambda: xla.set_xla("matmul", "yes"), TypeError, "`enabled`"),
-    ("xla.uses_xla", lambda: xla.uses_xla("conv"), ValueError, "`kind`"),
-    ("xla.jit", lambda: xla.jit("conv"), ValueError, "`kind`"),
-    ("xla.xla_available", lambda: xla.xla_available("QPU"), ValueError, "`device_type`"),
+    ("device.xla.set_xla", lambda: xla.set_xla("gpu", True), ValueError, "`kind`"),
+    ("device.xla.set_xla", lambda: xla.set_xla("matmul", "yes"), TypeError, "`enabled`"),
+    ("device.xla.uses_xla", lambda: xla.uses_xla("conv"), ValueError, "`kind`"),
+    ("device.xla.jit", lambda: xla.jit("conv"), ValueError, "`kind`"),
+    ("device.xla.xla_available", lambda: xla.xla_available("QPU"), ValueError, "`device_type`"),
     # quantization, export, deploy_demo
     ("quantization.plan", lambda: quantization.plan(_model(), "int2"), ValueError, "`mode`"),
     ("quantization.plan", lambda: quantization.plan("model"), TypeError, "`model`"),
@@ -342,9 +341,9 @@ CASES = [
      "`policy`"),
     ("deploy_demo.train", lambda: deploy_demo.train(epochs=0), ValueError, "`epochs`"),
     ("deploy_demo.compare", lambda: deploy_demo.compare("m"), TypeError, "`model`"),
-    ("xla.set_measured_default", lambda: xla.set_measured_default("conv", "CPU", True),
+    ("device.xla.set_measured_default", lambda: xla.set_measured_default("conv", "CPU", True),
      ValueError, "`kind`"),
-    ("xla.set_measured_default", lambda: xla.set_measured_default("matmul", "CPU", 1),
+    ("device.xla.set_measured_default", lambda: xla.set_measured_default("matmul", "CPU", 1),
      TypeError, "`enabled`"),
     # execution
     ("execution.profile", lambda: execution.profile("QPU"), ValueError, "`device_type`"),
@@ -355,12 +354,12 @@ CASES = [
     ("execution.chosen", lambda: execution.chosen("model"), TypeError, "`model`"),
     ("execution.epilogue", lambda: execution.epilogue("softplus"), ValueError, "`activation`"),
     ("execution.epilogue", lambda: execution.epilogue("relu", "int8"), ValueError, "`dtype`"),
-    ("xla.fuses_epilogue", lambda: xla.fuses_epilogue("softplus"), ValueError, "`activation`"),
-    ("xla.set_measured_epilogue", lambda: xla.set_measured_epilogue("relu", "QPU", True),
+    ("device.xla.fuses_epilogue", lambda: xla.fuses_epilogue("softplus"), ValueError, "`activation`"),
+    ("device.xla.set_measured_epilogue", lambda: xla.set_measured_epilogue("relu", "QPU", True),
      ValueError, "`device_type`"),
-    ("xla.set_measured_epilogue", lambda: xla.set_measured_epilogue("relu", "CPU", 1),
+    ("device.xla.set_measured_epilogue", lambda: xla.set_measured_epilogue("relu", "CPU", 1),
      TypeError, "`fused`"),
-    ("xla.set_measured_epilogue", lambda: xla.set_measured_epilogue("elu", "CPU", True),
+    ("device.xla.set_measured_epilogue", lambda: xla.set_measured_epilogue("elu", "CPU", True),
      ValueError, "`activation`"),
     ("step_trial.FirstCallGuard",
      lambda: step_trial.FirstCallGuard("m", len, len, "E"), TypeError, "`model`"),
@@ -408,29 +407,34 @@ def test_bad_input_raises_naming_the_argument(name, call, error, match):
         assert re.search(match, str(info.value)), str(info.value)
 
 
-def _public_callables() -> set[str]:
-    names = set()
+def _public_callables() -> dict[str, object]:
+    """``module.name`` -> object for the public callables of :data:`MODULES`
+    (module paths relative to ``keras_mp``)."""
+    found = {}
     for module_name in MODULES:
         module = importlib.import_module(f"keras_mp.{module_name}")
         for name in module.__all__:
             obj = getattr(module, name)
-            if callable(obj) and (inspect.isclass(obj) or inspect.isfunction(obj)):
-                names.add(f"{module_name}.{name}")
-    return names
+            if callable(obj) and (inspect.isclass(obj) or inspect.isfunction(obj)) and \
+                    obj.__module__ == module.__name__:
+                found[f"{module_name}.{name}"] = obj
+    return found
 
 
 def test_every_public_callable_is_covered():
     covered = {c[0] for c in CASES} | NO_ARGUMENTS | RECORDS
-    missing = _public_callables() - covered
+    public = _public_callables()
+    missing = set(public) - covered
     assert not missing, f"public names without a bad-input row: {sorted(missing)}"
     # The top-level API re-exports names of the submodules; none escapes the table.
+    modules = {importlib.import_module(f"keras_mp.{m}") for m in MODULES}
+    checked = {id(obj) for key, obj in public.items() if key in covered}
     for name in keras_mp.__all__:
         obj = getattr(keras_mp, name)
         if inspect.ismodule(obj):
-            assert obj.__name__.split(".")[-1] in MODULES, name
+            assert obj in modules, name
         else:
-            owner = obj.__module__.split(".")[-1]
-            assert f"{owner}.{getattr(obj, '__name__', name)}" in covered, name
+            assert id(obj) in checked, name
 
 
 # -- corrupted and foreign saved files -------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from keras_mp import layers as klayers
-from keras_mp import xla
+from keras_mp.device import xla
 from tests.test_ops import _assert_close_relative_to_largest
 
 POLICIES = ["float32", "mixed_bfloat16", "mixed_float16"]

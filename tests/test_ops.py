@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from keras_mp import ops as kops
-from keras_mp import xla
+from keras_mp.device import xla
 
 DTYPES = ["float32", "bfloat16", "float16"]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}

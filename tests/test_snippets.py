@@ -175,8 +175,12 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
 # -- docstring examples (the API reference) ---------------------------------------
 
 def _modules() -> list[str]:
-    return sorted(f"keras_mp.{p.stem}" for p in (ROOT / "keras_mp").glob("*.py")
-                  if p.stem != "__init__")
+    """Every module of the package, subpackages' ``__init__`` included."""
+    names = []
+    for path in (ROOT / "keras_mp").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return sorted(names)
 
 
 @pytest.mark.parametrize("name", _modules())

@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
-from keras_mp import xla
+from keras_mp.device import xla
 
 __all__ = ["DeviceProfile", "profile", "cpu_flags", "fast_dtypes", "default_candidates"]
 

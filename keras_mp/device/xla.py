@@ -177,7 +177,7 @@ def fuses_epilogue(activation: str, device_type: str | None = None) -> bool:
         device_type: as for :func:`uses_xla`.
 
     Example:
-        >>> from keras_mp import xla
+        >>> from keras_mp.device import xla
         >>> xla.fuses_epilogue("gelu", "CPU")
         True
     """
@@ -275,7 +275,7 @@ def uses_xla(kind: Kind, device_type: str | None = None) -> bool:
     """Whether work of ``kind`` is compiled with XLA on ``device_type``.
 
     Example:
-        >>> from keras_mp import xla
+        >>> from keras_mp.device import xla
         >>> xla.uses_xla("elementwise", "CPU")
         True
         >>> xla.uses_xla("matmul", "CPU") in (True, False)

@@ -1,58 +1,58 @@
-"""keras_mp.device: CPU flags, the cached micro-benchmark, and the rule that
+"""keras_mp.device.capabilities: CPU flags, the cached micro-benchmark, and the rule that
 picks the adaptive policy's default candidates."""
 
 import pytest
 
-from keras_mp import device
+from keras_mp.device import capabilities
 
 
 def test_cpu_flags_parses_x86_and_arm_and_missing():
     text = "processor\t: 0\nflags\t\t: fpu avx2 amx_bf16 avx512_bf16\n\nprocessor\t: 1\n"
-    assert device.cpu_flags(text) == {"fpu", "avx2", "amx_bf16", "avx512_bf16"}
-    assert device.cpu_flags("Features\t: fp asimd fphp\n") == {"fp", "asimd", "fphp"}
-    assert device.cpu_flags("model name : x\n") == frozenset()
-    assert isinstance(device.cpu_flags(), frozenset)
+    assert capabilities.cpu_flags(text) == {"fpu", "avx2", "amx_bf16", "avx512_bf16"}
+    assert capabilities.cpu_flags("Features\t: fp asimd fphp\n") == {"fp", "asimd", "fphp"}
+    assert capabilities.cpu_flags("model name : x\n") == frozenset()
+    assert isinstance(capabilities.cpu_flags(), frozenset)
     with pytest.raises(TypeError, match="`cpuinfo`"):
-        device.cpu_flags(3)
+        capabilities.cpu_flags(3)
 
 
 def test_judge_needs_hardware_and_a_measurement_that_agrees():
     fast = {"float32": 1.0, "bfloat16": 3.0, "float16": 2.0}
-    assert device._judge({"bfloat16": True, "float16": True}, fast) == ("bfloat16", "float16")
+    assert capabilities._judge({"bfloat16": True, "float16": True}, fast) == ("bfloat16", "float16")
     # A flag whose measurement disagrees (no kernel, emulation) does not count...
-    assert device._judge({"bfloat16": True, "float16": True},
+    assert capabilities._judge({"bfloat16": True, "float16": True},
                          {"float32": 1.0, "bfloat16": 0.5, "float16": 0.0}) == ()
     # ...nor does a good measurement without hardware support (noise, tiny matmul).
-    assert device._judge({"bfloat16": False, "float16": False}, fast) == ()
+    assert capabilities._judge({"bfloat16": False, "float16": False}, fast) == ()
 
 
 def test_profile_is_measured_once_and_cached():
-    p = device.profile("CPU")
-    assert p is device.profile("CPU")
+    p = capabilities.profile("CPU")
+    assert p is capabilities.profile("CPU")
     assert p.device_type == "CPU"
     assert p.throughput["float32"] > 0
     assert set(p.throughput) == {"float32", "bfloat16", "float16"}
     assert p.speedup("float32") == pytest.approx(1.0)
-    again = device.profile("CPU", refresh=True, size=64, repeats=1)
-    assert again is not p and again is device.profile("CPU")
+    again = capabilities.profile("CPU", refresh=True, size=64, repeats=1)
+    assert again is not p and again is capabilities.profile("CPU")
 
 
 def test_no_float16_on_a_cpu_without_float16_units():
-    p = device.profile("CPU")
+    p = capabilities.profile("CPU")
     has_fp16_units = bool(p.flags & {"amx_fp16", "avx512_fp16"})
     assert p.hardware["float16"] == has_fp16_units
     if not has_fp16_units:
-        assert "float16" not in device.fast_dtypes("CPU")
-        assert "float16" not in device.default_candidates("CPU")
+        assert "float16" not in capabilities.fast_dtypes("CPU")
+        assert "float16" not in capabilities.default_candidates("CPU")
     has_bf16_units = bool(p.flags & {"amx_bf16", "avx512_bf16"})
-    assert ("bfloat16" in device.default_candidates("CPU")) == (
+    assert ("bfloat16" in capabilities.default_candidates("CPU")) == (
         has_bf16_units and p.speedup("bfloat16") >= 0.9)
 
 
 def test_default_candidates_end_in_float32_and_prefer_bfloat16():
-    c = device.default_candidates()
+    c = capabilities.default_candidates()
     assert c[-1] == "float32" and len(c) <= 2
-    if "bfloat16" in device.fast_dtypes():
+    if "bfloat16" in capabilities.fast_dtypes():
         assert c == ("bfloat16", "float32")
 
 
@@ -61,4 +61,4 @@ def test_default_candidates_end_in_float32_and_prefer_bfloat16():
 ])
 def test_errors(kwargs, name):
     with pytest.raises(ValueError, match=name):
-        device.profile(**kwargs)
+        capabilities.profile(**kwargs)
