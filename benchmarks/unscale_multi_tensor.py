@@ -14,7 +14,7 @@ memory traffic):
 * ``per_tensor_loop``: ``g / scale`` and ``reduce_all(is_finite(g))`` per
   tensor, then a reduction of the 200 flags (what a per-tensor loss scaler
   does);
-* ``multi_tensor``: :func:`keras_mp.kernels.unscale_and_check`, placed by
+* ``multi_tensor``: :func:`keras_mp.scaling.kernels.unscale_and_check`, placed by
   :mod:`keras_mp.device.xla` (on CPU a TensorFlow graph);
 * ``multi_tensor_xla``: the same kernel forced under XLA.
 
@@ -36,7 +36,7 @@ quiet_tensorflow()
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_mp import kernels
+from keras_mp.scaling import kernels
 from keras_mp.device import xla
 
 N_TENSORS = 200

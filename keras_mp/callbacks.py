@@ -60,10 +60,10 @@ import keras
 import tensorflow as tf
 
 from keras_mp import controller, execution, float8, optimizer_setup, policies, tensorboard
-from keras_mp import loss_scale as loss_scale_lib  # `loss_scale` is an argument below
+from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp import probe as probe_lib
 from keras_mp.hooks import Hooks
-from keras_mp.optimizer import LossScaleOptimizer
+from keras_mp.scaling.optimizer import LossScaleOptimizer
 from keras_mp.precision_state import PrecisionState, attached
 from keras_mp.stats import IntervalStats, LayerStatistics
 

@@ -34,7 +34,7 @@ import keras
 import numpy as np
 
 from keras_mp import callbacks, datasets, device, policies
-from keras_mp.optimizer import LossScaleOptimizer
+from keras_mp.scaling.optimizer import LossScaleOptimizer
 
 __all__ = ["DemoResult", "DemoRun", "run_demo"]
 

@@ -109,7 +109,7 @@ def floating_tensors(structure) -> list[tf.Tensor]:
 
 #: The subnormal fraction of a tensor larger than this is estimated on an
 #: even-stride sample of about this many elements (see
-#: :data:`keras_mp.kernels.SAMPLE`).
+#: :data:`keras_mp.scaling.kernels.SAMPLE`).
 SAMPLE = 65536
 
 

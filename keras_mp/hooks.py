@@ -14,7 +14,7 @@ callables that Keras looks up when it traces a step:
 * the optimizer's ``apply``, where the optimizer is not a
   :class:`keras_mp.LossScaleOptimizer` (which has its own
   ``statistics_sink``): on a statistics trace, measures the gradients
-  (:func:`keras_mp.kernels.gradient_statistics`) and hands them to the sink.
+  (:func:`keras_mp.scaling.kernels.gradient_statistics`) and hands them to the sink.
 
 Each wrapper checks a Python flag **when the step is traced**: the
 statistics and probe variants of the train function are separate traces (see
@@ -49,7 +49,8 @@ from collections.abc import Callable, Iterator, Sequence
 import keras
 import tensorflow as tf
 
-from keras_mp import float8, forward, kernels
+from keras_mp import float8, forward
+from keras_mp.scaling import kernels
 
 __all__ = ["Hooks"]
 

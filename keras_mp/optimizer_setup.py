@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import keras
 
-from keras_mp import loss_scale
+from keras_mp.scaling import loss_scale
 
 __all__ = ["scale_floor", "replace_optimizer", "rebuild_for_new_variables"]
 

@@ -148,7 +148,7 @@ class LayerStats:
         amax: largest finite unscaled gradient magnitude.
         fp16_underflow, fp16_subnormal, fp16_overflow, bf16_subnormal, zero:
             fractions of its gradient elements, averaged over the steps (see
-            :mod:`keras_mp.kernels`); the float16 ones are of the loss-scaled
+            :mod:`keras_mp.scaling.kernels`); the float16 ones are of the loss-scaled
             gradients.
         forward_steps: steps in which the layer's call was observed.
         in_amax, out_amax, in_range, out_nonfinite, out_near_max, out_flushed:

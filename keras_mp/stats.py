@@ -2,7 +2,7 @@
 
 :class:`keras_mp.LossScaleOptimizer` computes per-gradient statistics in the
 same fused kernel that unscales and checks the gradients
-(:func:`keras_mp.kernels.unscale_with_statistics`) and hands them to its
+(:func:`keras_mp.scaling.kernels.unscale_with_statistics`) and hands them to its
 ``statistics_sink``. :meth:`LayerStatistics.accumulate` is that sink: it
 attributes each gradient to the layer that owns the variable (by the
 variable's path), reduces the interval's statistics per layer, agrees on them
@@ -20,7 +20,7 @@ weighted by tensor size, and averaged over steps and replicas):
   overflows at any scale, is a precision problem;
 * ``amax``: the largest finite unscaled gradient magnitude;
 * ``fp16_underflow``, ``fp16_subnormal``, ``fp16_overflow``,
-  ``bf16_subnormal``, ``zero``: as in :mod:`keras_mp.kernels`;
+  ``bf16_subnormal``, ``zero``: as in :mod:`keras_mp.scaling.kernels`;
 * forward statistics of every observed layer, weights or not
   (:mod:`keras_mp.forward`), taken from the model's :class:`keras_mp.hooks.Hooks`
   in the same call: amaxes are maxima, the others fractions of the steps in
@@ -56,7 +56,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mp import forward, kernels
+from keras_mp import forward
+from keras_mp.scaling import kernels
 from keras_mp.controller import LayerStats
 
 __all__ = ["FRACTIONS", "IntervalStats", "LayerStatistics", "agree", "learned_variables",

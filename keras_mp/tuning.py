@@ -36,9 +36,9 @@ from typing import Any
 import keras
 import keras_tuner
 
-from keras_mp import loss_scale as loss_scale_lib
+from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp import policies as policies_lib
-from keras_mp.optimizer import LossScaleOptimizer
+from keras_mp.scaling.optimizer import LossScaleOptimizer
 
 __all__ = ["PARAMETERS", "DEFAULT_SPACE", "OBJECTIVES", "DEFAULT_POLICIES",
            "loss_scale_schedule", "objective", "PrecisionHyperModel", "TuningMetrics"]
@@ -337,7 +337,7 @@ class PrecisionHyperModel(keras_tuner.HyperModel):
         metrics: metrics, for uncompiled models.
         loss_scale: a dict of :func:`loss_scale_schedule` keyword arguments
             (``{}``: search everything), or a
-            :class:`keras_mp.loss_scale.LossScaleSchedule` / number to use
+            :class:`keras_mp.scaling.loss_scale.LossScaleSchedule` / number to use
             unsearched.
         adaptive_interval: train-function calls between adaptive decisions.
         name: the HyperModel's name.

@@ -21,16 +21,17 @@ import tensorflow as tf
 
 import keras_mp
 from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device, distribute,
-                      execution, export, float8, forward, fused_update, hooks, kernels, layers,
-                      loss_scale, ops, optimizer, optimizer_setup, policies, precision_state,
-                      probe, quantization, report, stats, step_trial, tensorboard, tuning)
+                      execution, export, float8, forward, fused_update, hooks, layers, ops,
+                      optimizer_setup, policies, precision_state, probe, quantization, report,
+                      stats, step_trial, tensorboard, tuning)
+from keras_mp.scaling import kernels, loss_scale, optimizer
 from keras_mp.device import xla
 from keras_mp.fuse import fuse as fuse_model
 
 MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "datasets", "demo",
            "deploy_demo", "device", "device.capabilities", "device.xla", "distribute", "execution", "export", "float8", "forward",
-           "fuse", "fused_update", "hooks", "kernels", "layers", "loss_scale", "ops", "optimizer", "policies",
-           "optimizer_setup", "precision_state", "probe", "quantization", "report", "rule",
+           "fuse", "fused_update", "hooks", "scaling.kernels", "layers", "scaling.loss_scale", "ops", "scaling.optimizer", "policies",
+           "optimizer_setup", "precision_state", "probe", "quantization", "report", "rule", "scaling",
            "stats", "step_trial", "tensorboard", "tuning"]
 
 # Public callables that take no argument, or whose only arguments are checked
@@ -40,7 +41,7 @@ NO_ARGUMENTS = {
     "distribute.patched_faults", "distribute.unpatch_multi_worker",
     "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
-    "loss_scale.LossScaleSchedule",  # abstract base: no arguments
+    "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "autofit.enabled", "autofit.install", "float8.install",
     "forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "quantization.patch_quantize", "quantization.unpatch_quantize",
@@ -49,7 +50,7 @@ NO_ARGUMENTS = {
 RECORDS = {
     "rule.Switch", "rule.Decision", "rule.LayerStats",
     "datasets.Loaded", "demo.DemoResult", "demo.DemoRun", "device.capabilities.DeviceProfile",
-    "kernels.GradientStatistics", "probe.ProbeResult",
+    "scaling.kernels.GradientStatistics", "probe.ProbeResult",
     "report.PrecisionReport", "stats.IntervalStats", "device.xla.Kind",
     "execution.ExecutionProfile", "step_trial.Record",
 }
@@ -169,13 +170,13 @@ CASES = [
     ("fuse.fuse", lambda: fuse_model(keras.Sequential([keras.layers.Dense(2)])), ValueError,
      "`model`"),
     # kernels
-    ("kernels.unscale_and_check", lambda: kernels.unscale_and_check(tf.ones([2]), 2.0),
+    ("scaling.kernels.unscale_and_check", lambda: kernels.unscale_and_check(tf.ones([2]), 2.0),
      TypeError, "`grads`"),
-    ("kernels.unscale_and_check", lambda: kernels.unscale_and_check([tf.ones([2])], 0.0),
+    ("scaling.kernels.unscale_and_check", lambda: kernels.unscale_and_check([tf.ones([2])], 0.0),
      ValueError, "`scale`"),
-    ("kernels.gradient_statistics", lambda: kernels.gradient_statistics([tf.ones([2])], -1.0),
+    ("scaling.kernels.gradient_statistics", lambda: kernels.gradient_statistics([tf.ones([2])], -1.0),
      ValueError, "`scale`"),
-    ("kernels.unscale_with_statistics",
+    ("scaling.kernels.unscale_with_statistics",
      lambda: kernels.unscale_with_statistics([tf.ones([2])], float("inf")), ValueError,
      "`scale`"),
     # layers (Keras's own validation, inherited)
@@ -189,25 +190,25 @@ CASES = [
     ("layers.MultiHeadAttention", lambda: layers.MultiHeadAttention(num_heads=0, key_dim=2),
      ValueError, "num_heads"),
     # loss_scale
-    ("loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(growth_factor=1.0),
+    ("scaling.loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(growth_factor=1.0),
      ValueError, "`growth_factor`"),
-    ("loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(backoff_factor=1.5),
+    ("scaling.loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(backoff_factor=1.5),
      ValueError, "`backoff_factor`"),
-    ("loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(hysteresis=0),
+    ("scaling.loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(hysteresis=0),
      ValueError, "`hysteresis`"),
-    ("loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(growth_interval="2"),
+    ("scaling.loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(growth_interval="2"),
      TypeError, "`growth_interval`"),
-    ("loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(
+    ("scaling.loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(
         min_scale=8.0, max_scale=4.0, initial_scale=4.0), ValueError, "`min_scale`"),
-    ("loss_scale.FixedLossScale", lambda: loss_scale.FixedLossScale(0.0), ValueError,
+    ("scaling.loss_scale.FixedLossScale", lambda: loss_scale.FixedLossScale(0.0), ValueError,
      "`scale`"),
-    ("loss_scale.FixedLossScale", lambda: loss_scale.FixedLossScale("8"), TypeError, "`scale`"),
-    ("loss_scale.PiecewiseInterval", lambda: loss_scale.PiecewiseInterval([5, 1], [1, 2, 3]),
+    ("scaling.loss_scale.FixedLossScale", lambda: loss_scale.FixedLossScale("8"), TypeError, "`scale`"),
+    ("scaling.loss_scale.PiecewiseInterval", lambda: loss_scale.PiecewiseInterval([5, 1], [1, 2, 3]),
      ValueError, "`boundaries`"),
-    ("loss_scale.PiecewiseInterval", lambda: loss_scale.PiecewiseInterval([5], [1]),
+    ("scaling.loss_scale.PiecewiseInterval", lambda: loss_scale.PiecewiseInterval([5], [1]),
      ValueError, "`values`"),
-    ("loss_scale.get", lambda: loss_scale.get("sometimes"), ValueError, "`schedule`"),
-    ("loss_scale.get", lambda: loss_scale.get([1.0]), TypeError, "`schedule`"),
+    ("scaling.loss_scale.get", lambda: loss_scale.get("sometimes"), ValueError, "`schedule`"),
+    ("scaling.loss_scale.get", lambda: loss_scale.get([1.0]), TypeError, "`schedule`"),
     # ops
     ("ops.bias_activation", lambda: ops.bias_activation(x2, None, "swishy"), ValueError,
      "`activation`"),
@@ -239,11 +240,11 @@ CASES = [
      lambda: ops.sparse_softmax_cross_entropy_reference(tf.ones([2]), x2),
      (TypeError, ValueError), "`labels`"),
     # optimizer (more in test_optimizer.py)
-    ("optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer("adam"), TypeError,
+    ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer("adam"), TypeError,
      "`inner_optimizer`"),
-    ("optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
+    ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
         SGD(), max_consecutive_skips=True), ValueError, "`max_consecutive_skips`"),
-    ("optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
+    ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
         SGD(), schedule="sometimes"), ValueError, "`schedule`"),
     # policies
     ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float16", "int8")),

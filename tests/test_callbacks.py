@@ -13,7 +13,8 @@ import tensorflow as tf
 
 import keras_mp
 from tests.faults import two_replica_mirrored_strategy
-from keras_mp import callbacks, loss_scale, policies
+from keras_mp import callbacks, policies
+from keras_mp.scaling import loss_scale
 from keras_mp.callbacks import AdaptivePrecision
 from keras_mp.report import precision_report
 

@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp import DynamicLossScale, LossScaleOptimizer, distribute, loss_scale, policies
+from keras_mp import DynamicLossScale, LossScaleOptimizer, distribute, policies
+from keras_mp.scaling import loss_scale
 from keras_mp.callbacks import AdaptivePrecision
 from keras_mp.report import precision_report
 from tests.faults import local_values, two_replica_mirrored_strategy

@@ -83,5 +83,5 @@ def test_api_reference_comes_from_docstrings(site):
     # doctests render as code blocks, not as Markdown block quotes
     assert "&gt;&gt;&gt;" in html and "<blockquote>" not in html
     loss = (site / "api" / "loss_scaling" / "index.html").read_text()
-    assert 'id="keras_mp.optimizer.LossScaleOptimizer"' in loss
-    assert 'id="keras_mp.loss_scale.DynamicLossScale"' in loss
+    assert 'id="keras_mp.scaling.optimizer.LossScaleOptimizer"' in loss
+    assert 'id="keras_mp.scaling.loss_scale.DynamicLossScale"' in loss

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_mp import loss_scale, policies
+from keras_mp.scaling import loss_scale
+from keras_mp import policies
 from keras_mp.callbacks import AdaptivePrecision
 from keras_mp.report import precision_report
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import keras_mp
 from tests.faults import two_replica_mirrored_strategy
-from keras_mp.kernels import STATISTICS, GradientStatistics
+from keras_mp.scaling.kernels import STATISTICS, GradientStatistics
 from keras_mp.stats import LayerStatistics, variable_path
 
 

@@ -15,7 +15,7 @@ bfloat16 dots in float32), so there matmuls are compiled too
 (``python -m benchmarks.transformer_step``, docs/fused_kernels.md).
 On GPU/TPU XLA handles both well.
 
-The multi-tensor loss-scale kernels (:mod:`keras_mp.kernels`, one computation
+The multi-tensor loss-scale kernels (:mod:`keras_mp.scaling.kernels`, one computation
 over a whole gradient list) are a third kind. On GPU/TPU they replace
 hundreds of kernel launches with one. On CPU there are no launches to save:
 XLA:CPU runs the per-tensor pieces one after another, while TensorFlow's

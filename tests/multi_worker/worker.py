@@ -104,7 +104,8 @@ def train_adaptive(strategy, data, **fit_kwargs):
     The worker and the test's single-process reference both train through it."""
     import keras
 
-    from keras_mp import loss_scale, policies
+    from keras_mp.scaling import loss_scale
+    from keras_mp import policies
     from keras_mp.callbacks import AdaptivePrecision
 
     init = lambda seed: keras.initializers.RandomUniform(-0.05, 0.05, seed=seed)  # noqa: E731

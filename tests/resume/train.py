@@ -76,7 +76,8 @@ def main() -> None:
     tf.config.experimental.enable_op_determinism()
     import keras
 
-    from keras_mp import loss_scale, policies
+    from keras_mp.scaling import loss_scale
+    from keras_mp import policies
     from keras_mp.callbacks import AdaptivePrecision
 
     keras.utils.set_random_seed(0)

@@ -65,7 +65,7 @@ class LossScaleSchedule:
     Example, a schedule that halves on overflow and never grows:
         >>> import keras
         >>> from keras import ops
-        >>> from keras_mp.loss_scale import LossScaleSchedule
+        >>> from keras_mp.scaling.loss_scale import LossScaleSchedule
         >>> @keras.saving.register_keras_serializable(package="my_project")
         ... class BackoffOnly(LossScaleSchedule):
         ...     def __init__(self, initial_scale=2.0**15):
@@ -144,7 +144,7 @@ class PiecewiseInterval:
     grow the scale quickly early in training and cautiously later.
 
     Example:
-        >>> from keras_mp.loss_scale import PiecewiseInterval
+        >>> from keras_mp.scaling.loss_scale import PiecewiseInterval
         >>> f = PiecewiseInterval(boundaries=[1000], values=[100, 2000])
         >>> int(f(10)), int(f(5000))
         (100, 2000)

@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
-                                 PiecewiseInterval)
+from keras_mp.scaling.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
+                                         PiecewiseInterval)
 
 
 def run(schedule, flags, *, graph=True):
@@ -136,14 +136,14 @@ def test_config_round_trip(schedule):
 
 
 def test_get_accepts_names_numbers_and_configs():
-    assert keras_mp.loss_scale.get("dynamic") == DynamicLossScale()
-    assert keras_mp.loss_scale.get(64) == FixedLossScale(64.0)
+    assert keras_mp.scaling.loss_scale.get("dynamic") == DynamicLossScale()
+    assert keras_mp.scaling.loss_scale.get(64) == FixedLossScale(64.0)
     cfg = keras.saving.serialize_keras_object(FixedLossScale(8.0))
-    assert keras_mp.loss_scale.get(cfg) == FixedLossScale(8.0)
+    assert keras_mp.scaling.loss_scale.get(cfg) == FixedLossScale(8.0)
     with pytest.raises(ValueError, match="schedule"):
-        keras_mp.loss_scale.get("static")
+        keras_mp.scaling.loss_scale.get("static")
     with pytest.raises(TypeError, match="schedule"):
-        keras_mp.loss_scale.get([1.0])
+        keras_mp.scaling.loss_scale.get([1.0])
 
 
 @keras.saving.register_keras_serializable(package="keras_mp_tests")

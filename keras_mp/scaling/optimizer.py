@@ -4,7 +4,7 @@ bounds, hysteresis, skip counting, and a finite check agreed across replicas.
 One step, as run inside Keras's compiled train step:
 
 1. one multi-tensor kernel unscales every gradient and flags the non-finite
-   ones (:func:`keras_mp.kernels.unscale_and_check`);
+   ones (:func:`keras_mp.scaling.kernels.unscale_and_check`);
 2. under ``tf.distribute`` the per-variable flags are all-reduced, so every
    replica (and worker) takes the same decision, even when only one replica
    saw a NaN (Keras decides per replica, before the all-reduce);
@@ -25,8 +25,9 @@ from keras import initializers, ops
 from keras.saving import deserialize_keras_object, serialize_keras_object
 from keras.src.utils import tracking  # Keras's own LSO.build uses it too
 
-from keras_mp import distribute, kernels
-from keras_mp import loss_scale as loss_scale_lib
+from keras_mp import distribute
+from keras_mp.scaling import kernels
+from keras_mp.scaling import loss_scale as loss_scale_lib
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -88,7 +89,7 @@ class LossScaleOptimizer(_KerasLSO):
             dynamic schedule. Not with ``schedule``.
         dynamic_growth_steps: as in Keras: finite steps between growths of
             the default dynamic schedule. Not with ``schedule``.
-        schedule: a :class:`keras_mp.loss_scale.LossScaleSchedule` (for
+        schedule: a :class:`keras_mp.scaling.loss_scale.LossScaleSchedule` (for
             example :class:`keras_mp.DynamicLossScale` or
             :class:`keras_mp.FixedLossScale`), ``"dynamic"`` or a number (a
             fixed scale). Replaces the two arguments above.

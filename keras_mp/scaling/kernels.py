@@ -230,7 +230,7 @@ def unscale_and_check(grads: Sequence, scale, *, return_mask: bool = False):
 
     Example:
         >>> import tensorflow as tf, keras_mp
-        >>> g, ok = keras_mp.kernels.unscale_and_check(
+        >>> g, ok = keras_mp.scaling.kernels.unscale_and_check(
         ...     [tf.constant([4.0, 8.0]), None], 4.0)
         >>> g[0].numpy().tolist(), g[1], bool(ok)
         ([1.0, 2.0], None, True)
@@ -274,7 +274,7 @@ def gradient_statistics(grads: Sequence, scale) -> GradientStatistics:
 
     Example:
         >>> import tensorflow as tf, keras_mp
-        >>> s = keras_mp.kernels.gradient_statistics(
+        >>> s = keras_mp.scaling.kernels.gradient_statistics(
         ...     [tf.constant([1e-9, 1.0, float("inf"), 0.0])], 1.0)
         >>> float(s.nonfinite[0]), float(s.fp16_underflow[0]), float(s.zero[0])
         (0.25, 0.25, 0.25)

@@ -11,7 +11,7 @@ from keras import ops
 
 import keras_mp
 from keras_mp import DynamicLossScale, FixedLossScale, LossScaleOptimizer
-from keras_mp.loss_scale import PiecewiseInterval
+from keras_mp.scaling.loss_scale import PiecewiseInterval
 from tests.conftest import tiny_regression_data
 
 KerasLSO = keras.optimizers.LossScaleOptimizer

@@ -1,4 +1,4 @@
-"""keras_mp.kernels: the multi-tensor loss-scale kernels against numpy
+"""keras_mp.scaling.kernels: the multi-tensor loss-scale kernels against numpy
 references, with None / IndexedSlices entries, inf / nan, all three dtypes,
 and a check that each kernel really is one XLA computation."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_mp import kernels
+from keras_mp.scaling import kernels
 
 SCALE = 1024.0
 FP16_TINY, FP16_MIN_NORMAL, FP16_MAX, BF16_MIN_NORMAL = 2.0**-24, 2.0**-14, 65504.0, 2.0**-126
