@@ -10,7 +10,7 @@ for an upstream gradient ``dy`` (what a training step needs):
 * ``tf_graph_bf16``: ``tf.nn.gelu(x + b)`` on bfloat16 tensors, as Keras's
   ``Dense(activation="gelu")`` runs it under ``mixed_bfloat16``;
 * ``tf_graph_f32``: the same in float32 (the float32 model's cost);
-* ``fused_bf16``: :func:`keras_mp.ops.bias_activation` (one XLA kernel each
+* ``fused_bf16``: :func:`keras_mp.fused.ops.bias_activation` (one XLA kernel each
   way, float32 math, bfloat16 in and out).
 
 Target: fused at least 3x faster than the bfloat16 TF graph.
@@ -27,7 +27,7 @@ quiet_tensorflow()
 
 import tensorflow as tf  # noqa: E402
 
-from keras_mp import ops as kops  # noqa: E402
+from keras_mp.fused import ops as kops
 
 SHAPE = (32, 128, 2048)
 QUICK_SHAPE = (8, 128, 2048)

@@ -8,8 +8,8 @@ On a machine without a GPU visible to TensorFlow it says so and exits 0. On a
 GPU it prints the device, runs ``keras-mp bench`` (every Keras one-liner
 against keras-mp's recommended set-up, full sizes, 5 interleaved rounds of 5
 steps; :mod:`benchmarks.suite`), then the tests of the fused kernels, layers
-and execution choice on that GPU (``pytest tests/test_kernels.py
-tests/test_ops.py tests/test_layers.py tests/test_fuse.py
+and execution choice on that GPU (``pytest tests/scaling/test_kernels.py
+tests/fused/test_ops.py tests/fused/test_layers.py tests/fused/test_fuse.py
 tests/test_execution.py``, where a repository checkout is present), and ends
 with one table: keras-mp against Keras float32, Keras ``mixed_bfloat16`` and
 the best Keras variant, per model, by process CPU time and wall time, beside
@@ -35,8 +35,8 @@ from .common import quiet_tensorflow
 
 __all__ = ["summary_table", "main"]
 
-_TESTS = ("tests/test_kernels.py", "tests/test_ops.py", "tests/test_layers.py",
-          "tests/test_fuse.py", "tests/test_execution.py")
+_TESTS = ("tests/scaling/test_kernels.py", "tests/fused/test_ops.py", "tests/fused/test_layers.py",
+          "tests/fused/test_fuse.py", "tests/test_execution.py")
 
 
 def summary_table(report: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """Training step of a 2-block Transformer: plain Keras float32, plain Keras
-mixed_bfloat16, and mixed_bfloat16 after :func:`keras_mp.fuse.fuse`.
+mixed_bfloat16, and mixed_bfloat16 after :func:`keras_mp.fused.fuse.fuse`.
 
 Run from the repository root::
 
@@ -33,7 +33,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_mp.fuse import fuse  # noqa: E402
+from keras_mp.fused.fuse import fuse  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, bool]] = {
     "keras_float32": ("float32", False),

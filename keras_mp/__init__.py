@@ -7,12 +7,13 @@ for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
 from keras_mp import (autofit, callbacks, controller, device, distribute, execution, export,
-                      forward, fused_update, hooks, layers, ops, policies, precision_state, probe,
-                      quantization, report, stats)
+                      forward, fused_update, hooks, policies, precision_state, probe, quantization,
+                      report, stats)
+from keras_mp.fused import layers, ops
 from keras_mp.scaling import kernels, loss_scale
 from keras_mp.device import xla
 from keras_mp.distribute import patch_multi_worker
-from keras_mp.fuse import fuse
+from keras_mp.fused.fuse import fuse
 from keras_mp.scaling.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
                                          PiecewiseInterval)
 from keras_mp.scaling.optimizer import LossScaleOptimizer

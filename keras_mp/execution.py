@@ -585,14 +585,14 @@ def _set_matmul_placement(model: keras.Model) -> None:
 
 
 def _fused_dense_activations(model: keras.Model) -> list[str]:
-    from keras_mp import layers as fused_layers
-    from keras_mp import ops as kops
+    from keras_mp.fused import layers as fused_layers
+    from keras_mp.fused import ops as kops
 
     names = set()
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, fused_layers.Dense) and layer.fused:
             name, approximate = fused_layers._FUSED_ACTIVATIONS[layer.activation]
-            names.add(kops._check_activation(name, approximate))
+            names.add(kops.activation._check_activation(name, approximate))
     return sorted(names)
 
 
@@ -611,7 +611,7 @@ def epilogue(activation: str, dtype: str = "bfloat16", device_type: str | None =
     the boundaries between oneDNN matmuls and XLA kernels across layers.)
 
     Args:
-        activation: a :func:`keras_mp.ops.bias_activation` kernel name
+        activation: a :func:`keras_mp.fused.ops.bias_activation` kernel name
             (``"linear"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``,
             ``"silu"``, ``"tanh"``).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
@@ -622,7 +622,7 @@ def epilogue(activation: str, dtype: str = "bfloat16", device_type: str | None =
         The XLA epilogue's speed-up over TensorFlow's fusion: the smaller of
         the CPU-time and wall-time ratios (> 1: the XLA kernel is faster).
     """
-    from keras_mp import ops as kops
+    from keras_mp.fused import ops as kops
 
     device_type = _check_device_type(device_type)
     if activation not in xla.EPILOGUE_ACTIVATIONS:

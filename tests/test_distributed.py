@@ -46,7 +46,7 @@ def _fused_model():
         keras.layers.LayerNormalization(), keras.layers.Dense(8, activation="silu"),
         keras.layers.Dense(1)])
     fused = keras_mp.fuse(model)
-    assert all(type(layer).__module__ == "keras_mp.layers" for layer in fused.layers)
+    assert all(type(layer).__module__ == "keras_mp.fused.layers" for layer in fused.layers)
     return fused
 
 

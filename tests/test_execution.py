@@ -249,7 +249,7 @@ def test_epilogue_measurement_and_placement(monkeypatch):
     xla.set_measured_epilogue("relu", "CPU", False)
     assert xla.fuses_epilogue("relu", "CPU") is False
     # The fused Dense computes the same either way.
-    layer = keras_mp.layers.Dense(4, activation="relu")
+    layer = keras_mp.fused.layers.Dense(4, activation="relu")
     inputs = np.linspace(-1, 1, 12, dtype="float32").reshape(3, 4)
     unfused = layer(inputs)
     xla.set_measured_epilogue("relu", "CPU", True)

@@ -155,7 +155,7 @@ def _default(kind: str, device_type: str) -> bool:
 #: separate XLA kernel does (the measured default on CPUs where matmuls stay
 #: outside XLA; see the module docstring).
 _ONEDNN_EPILOGUES = ("linear", "relu", "tanh")
-#: The epilogue kernels' activation names (:func:`keras_mp.ops.bias_activation`).
+#: The epilogue kernels' activation names (:func:`keras_mp.fused.ops.bias_activation`).
 EPILOGUE_ACTIVATIONS: tuple[str, ...] = ("linear", "relu", "gelu", "gelu_tanh", "silu", "tanh")
 _epilogues: dict[tuple[str, str], bool] = {}  # (activation, device type) -> fused, measured
 

@@ -1,4 +1,4 @@
-"""keras_mp.ops: every fused op against its reference, forward and backward,
+"""keras_mp.fused.ops: every fused op against its reference, forward and backward,
 in float32, bfloat16 and float16, really XLA-compiled, and inf/nan handling.
 
 Tolerances: the fused op rounds once, at its output, while the reference is
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_mp import ops as kops
+from keras_mp.fused import ops as kops
 from keras_mp.device import xla
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -415,12 +415,12 @@ def test_multi_head_attention_without_biases_and_bad_weights():
 def test_matmul_kernels_compile_to_plain_hlo():
     x = tf.ones([2, 3, 8], tf.bfloat16)
     w = [tf.cast(t, tf.bfloat16) for t in _mha_weights()]
-    irs = [kops._dense_fwd.compiled.experimental_get_compiler_ir(  # noqa: SLF001
+    irs = [kops.dense._dense_fwd.compiled.experimental_get_compiler_ir(  # noqa: SLF001
                x, tf.ones([8, 4], tf.bfloat16), tf.ones([4]), "gelu"),
-           kops._dense_bwd.compiled.experimental_get_compiler_ir(  # noqa: SLF001
+           kops.dense._dense_bwd.compiled.experimental_get_compiler_ir(  # noqa: SLF001
                tf.ones([2, 3, 4], tf.bfloat16), x, tf.ones([8, 4], tf.bfloat16),
                tf.ones([2, 3, 4], tf.bfloat16), True, "gelu"),
-           kops._attention_xla.compiled.experimental_get_compiler_ir(  # noqa: SLF001
+           kops.attention._attention_xla.compiled.experimental_get_compiler_ir(  # noqa: SLF001
                x, x, x, tuple(w), 0.5)]
     for ir in irs:
         hlo = ir(stage="hlo")

@@ -1,4 +1,4 @@
-"""keras_mp.layers: each fused layer against its Keras namesake under the
+"""keras_mp.fused.layers: each fused layer against its Keras namesake under the
 float32, mixed_bfloat16 and mixed_float16 policies (outputs, input and
 weight gradients), weight/config compatibility and the Keras fallbacks.
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_mp import layers as klayers
+from keras_mp.fused import layers as klayers
 from keras_mp.device import xla
-from tests.test_ops import _assert_close_relative_to_largest
+from tests.fused.test_ops import _assert_close_relative_to_largest
 
 POLICIES = ["float32", "mixed_bfloat16", "mixed_float16"]
 TOL = {"float32": 1e-5, "mixed_bfloat16": 3e-2, "mixed_float16": 3e-3}

@@ -11,7 +11,7 @@ code.
 
 Example:
     >>> import keras
-    >>> from keras_mp.layers import Dense
+    >>> from keras_mp.fused.layers import Dense
     >>> layer = Dense(4, activation="gelu", dtype="mixed_bfloat16")
     >>> y = layer(keras.ops.ones((2, 3)))
     >>> y.dtype.name, layer.kernel.dtype
@@ -27,7 +27,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_mp import ops as kops
+from keras_mp.fused import ops as kops
 from keras_mp.device import xla
 
 __all__ = ["Dense", "LayerNormalization", "MultiHeadAttention", "RMSNormalization", "Softmax",
@@ -64,7 +64,7 @@ class Dense(keras.layers.Dense):
 
     Example:
         >>> import keras
-        >>> from keras_mp.layers import Dense
+        >>> from keras_mp.fused.layers import Dense
         >>> Dense(8, activation="relu")(keras.ops.ones((1, 4))).shape
         TensorShape([1, 8])
         >>> Dense(8, activation="softplus").fused   # not fused: Keras's path
@@ -102,7 +102,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
 
     Example:
         >>> import keras
-        >>> from keras_mp.layers import LayerNormalization
+        >>> from keras_mp.fused.layers import LayerNormalization
         >>> layer = LayerNormalization(dtype="mixed_bfloat16")
         >>> layer(keras.ops.ones((2, 4))).dtype.name, layer.fused
         ('bfloat16', True)
@@ -141,7 +141,7 @@ class RMSNormalization(keras.layers.RMSNormalization):
 
     Example:
         >>> import keras
-        >>> from keras_mp.layers import RMSNormalization
+        >>> from keras_mp.fused.layers import RMSNormalization
         >>> RMSNormalization(dtype="mixed_bfloat16")(keras.ops.ones((2, 4))).dtype.name
         'bfloat16'
     """
@@ -181,7 +181,7 @@ class Softmax(keras.layers.Softmax):
 
     Example:
         >>> import keras
-        >>> from keras_mp.layers import Softmax
+        >>> from keras_mp.fused.layers import Softmax
         >>> Softmax()(keras.ops.zeros((1, 4))).numpy().tolist()
         [[0.25, 0.25, 0.25, 0.25]]
     """
@@ -213,7 +213,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
     Example:
         >>> import keras
-        >>> from keras_mp.layers import MultiHeadAttention
+        >>> from keras_mp.fused.layers import MultiHeadAttention
         >>> layer = MultiHeadAttention(num_heads=2, key_dim=4)
         >>> x = keras.ops.ones((1, 3, 8))
         >>> layer(x, x).shape

@@ -1,4 +1,4 @@
-"""keras_mp.fuse.fuse: layers swapped, weights carried, outputs and training
+"""keras_mp.fused.fuse.fuse: layers swapped, weights carried, outputs and training
 equal to the original's, `.keras` save/load, and the errors it raises."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_mp import layers as klayers
-from keras_mp.fuse import fuse
+from keras_mp.fused import layers as klayers
+from keras_mp.fused.fuse import fuse
 
 TOL = {"float32": 1e-5, "mixed_bfloat16": 5e-2}
 
@@ -114,3 +114,18 @@ def test_fuse_rejects_subclassed_and_unbuilt_models():
         fuse(net)
     with pytest.raises(ValueError, match="`model` must be built"):
         fuse(keras.Sequential([keras.layers.Dense(2)]))
+
+
+def test_fused_layers_share_one_policy_where_the_original_did():
+    import keras_mp
+
+    keras_mp.set_global_policy("adaptive_bfloat16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="gelu"),
+                              keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+    keras_mp.set_global_policy("float32")
+    original = {id(layer._dtype_policy) for layer in model.layers}
+    fused = fuse(model)
+    copies = {id(layer._dtype_policy) for layer in fused.layers}
+    assert len(original) == 1 and len(copies) == 1  # one policy, as in the original
+    assert copies != original  # the copy's own: a switch in one does not reach the other
+    assert isinstance(fused.layers[0]._dtype_policy, keras_mp.AdaptivePolicy)

@@ -2,12 +2,12 @@
 
 Example:
     >>> import keras, numpy as np
-    >>> from keras_mp.fuse import fuse
+    >>> from keras_mp.fused.fuse import fuse
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="gelu"),
     ...                           keras.layers.LayerNormalization(), keras.layers.Dense(2)])
     >>> fused = fuse(model)
     >>> [type(l).__module__ for l in fused.layers]
-    ['keras_mp.layers', 'keras_mp.layers', 'keras_mp.layers']
+    ['keras_mp.fused.layers', 'keras_mp.fused.layers', 'keras_mp.fused.layers']
     >>> x = np.ones((3, 4), "float32")
     >>> bool(np.allclose(model(x), fused(x), atol=1e-5))
     True
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_mp.layers import FUSED_LAYERS
-from keras_mp.policies import policy_of
+from keras_mp.fused.layers import FUSED_LAYERS
 
 __all__ = ["fuse"]
 
@@ -38,7 +37,7 @@ def fuse(model: keras.Model) -> keras.Model:
 
     ``keras.layers.Dense``, ``LayerNormalization``, ``RMSNormalization`` and
     ``Softmax`` (exactly these classes, not subclasses of them) become their
-    :mod:`keras_mp.layers` counterparts, with the same config, so the same
+    :mod:`keras_mp.fused.layers` counterparts, with the same config, so the same
     dtype policy, and the same weights; nested functional and Sequential
     models are fused too. The original model is left untouched. The copy is
     not compiled: compile it as you would the original.
@@ -59,16 +58,14 @@ def fuse(model: keras.Model) -> keras.Model:
         raise TypeError(
             "`model` must be a Keras functional or Sequential model, got "
             f"{type(model).__name__}; for a subclassed model, use the layers "
-            "of keras_mp.layers in its definition instead.")
+            "of keras_mp.fused.layers in its definition instead.")
     if not model.built:
         raise ValueError(
             "`model` must be built (call it once, or give it an Input) so its "
             "weights can be carried over.")
     fused = keras.models.clone_model(model, clone_function=_swap, recursive=True)
     _copy_weights(model, fused)
-    # Cloned layers each deserialized their own copy of an AdaptivePolicy:
-    # make them share one, as the original's layers do.
-    policy_of(fused)
+    _share_policies(model, fused)
     return fused
 
 
@@ -87,3 +84,24 @@ def _copy_weights(source: keras.Model, target: keras.Model) -> None:
             f"({len(src)} vs {len(dst)} variables); please report this model.")
     for a, b in zip(src, dst):
         b.assign(a)
+
+
+def _share_policies(source: keras.Model, target: keras.Model) -> None:
+    """Cloned layers each deserialized their own copy of a dtype policy
+    (one ``AdaptivePolicy`` shared by the original's layers becomes one per
+    layer): the copy's layers share one policy object wherever the
+    original's did, so that a change reaches every layer that had it."""
+    src = list(source._flatten_layers(include_self=True))
+    dst = list(target._flatten_layers(include_self=True))
+    if len(src) != len(dst):
+        raise RuntimeError(
+            "fuse(): the fused copy's layers do not match the model's "
+            f"({len(src)} vs {len(dst)} layers); please report this model.")
+    shared: dict[int, object] = {}
+    for a, b in zip(src, dst):
+        if type(a._dtype_policy) is not type(b._dtype_policy):
+            continue  # a container built under another global policy than its layers
+        policy = shared.setdefault(id(a._dtype_policy), b._dtype_policy)
+        if b._dtype_policy is not policy:
+            # Not the `dtype_policy` setter: it would insert into a policy map.
+            b._dtype_policy = policy
