@@ -10,7 +10,7 @@ against keras-mp's recommended set-up, full sizes, 5 interleaved rounds of 5
 steps; :mod:`benchmarks.suite`), then the tests of the fused kernels, layers
 and execution choice on that GPU (``pytest tests/scaling/test_kernels.py
 tests/fused/test_ops.py tests/fused/test_layers.py tests/fused/test_fuse.py
-tests/test_execution.py``, where a repository checkout is present), and ends
+tests/execution/test_choice.py``, where a repository checkout is present), and ends
 with one table: keras-mp against Keras float32, Keras ``mixed_bfloat16`` and
 the best Keras variant, per model, by process CPU time and wall time, beside
 the targets of issue 14 (Transformer >= 3x float32 and >= 1.5x
@@ -36,7 +36,7 @@ from .common import quiet_tensorflow
 __all__ = ["summary_table", "main"]
 
 _TESTS = ("tests/scaling/test_kernels.py", "tests/fused/test_ops.py", "tests/fused/test_layers.py",
-          "tests/fused/test_fuse.py", "tests/test_execution.py")
+          "tests/fused/test_fuse.py", "tests/execution/test_choice.py")
 
 
 def summary_table(report: dict[str, Any]) -> str:

@@ -7,8 +7,9 @@ for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
 from keras_mp import (autofit, callbacks, controller, device, distribute, execution, export,
-                      forward, fused_update, hooks, policies, precision_state, probe, quantization,
-                      report, stats)
+                      forward, hooks, policies, precision_state, probe, quantization, report,
+                      stats)
+from keras_mp.execution import fused_update
 from keras_mp.fused import layers, ops
 from keras_mp.scaling import kernels, loss_scale
 from keras_mp.device import xla

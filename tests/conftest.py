@@ -23,9 +23,9 @@ import keras  # noqa: E402
 import keras_mp  # noqa: E402,F401
 
 
-# Tests of the measured execution mode itself; elsewhere the train step runs
-# as a TensorFlow graph (see _graph_unless_measuring).
-MEASURING_MODULES = {"test_execution", "test_fused_update"}
+# Tests of the measured execution mode itself (tests/execution/); elsewhere the
+# train step runs as a TensorFlow graph (see _graph_unless_measuring).
+MEASURING_PACKAGE = "tests.execution."
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,7 @@ def _clean_keras_state():
 
 @pytest.fixture(autouse=True)
 def _graph_unless_measuring(request, monkeypatch):
-    """Outside the tests of ``keras_mp.execution`` (and those marked
+    """Outside the tests of ``keras_mp.execution`` (``tests/execution/``) (and those marked
     ``measured_execution``), train steps run as TensorFlow graphs:
     ``KERAS_MP_EXECUTION=graph``, the documented override.
 
@@ -55,7 +55,7 @@ def _graph_unless_measuring(request, monkeypatch):
     :mod:`keras_mp.execution` then stops trying XLA. The measurement has its
     own tests; the rest test numerics.
     """
-    if request.module.__name__.rsplit(".", 1)[-1] in MEASURING_MODULES or \
+    if request.module.__name__.startswith(MEASURING_PACKAGE) or \
             request.node.get_closest_marker("measured_execution"):
         monkeypatch.delenv("KERAS_MP_EXECUTION", raising=False)
     else:

@@ -21,9 +21,9 @@ import tensorflow as tf
 
 import keras_mp
 from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device, distribute,
-                      execution, export, float8, forward, fused_update, hooks, optimizer_setup,
-                      policies, precision_state, probe, quantization, report, stats, step_trial,
-                      tensorboard, tuning)
+                      execution, export, float8, forward, hooks, optimizer_setup, policies,
+                      precision_state, probe, quantization, report, stats, tensorboard, tuning)
+from keras_mp.execution import fused_update, step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.scaling import kernels, loss_scale, optimizer
 from keras_mp.device import xla
@@ -31,9 +31,9 @@ from keras_mp.fused.fuse import fuse as fuse_model
 
 MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "datasets", "demo",
            "deploy_demo", "device", "device.capabilities", "device.xla", "distribute", "execution", "export", "float8", "forward",
-           "fused", "fused.fuse", "fused_update", "hooks", "scaling.kernels", "fused.layers", "scaling.loss_scale", "fused.ops", "scaling.optimizer", "policies",
+           "fused", "fused.fuse", "execution.fused_update", "hooks", "scaling.kernels", "fused.layers", "scaling.loss_scale", "fused.ops", "scaling.optimizer", "policies",
            "optimizer_setup", "precision_state", "probe", "quantization", "report", "rule", "scaling",
-           "stats", "step_trial", "tensorboard", "tuning"]
+           "stats", "execution.step_trial", "tensorboard", "tuning"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -53,7 +53,7 @@ RECORDS = {
     "datasets.Loaded", "demo.DemoResult", "demo.DemoRun", "device.capabilities.DeviceProfile",
     "scaling.kernels.GradientStatistics", "probe.ProbeResult",
     "report.PrecisionReport", "stats.IntervalStats", "device.xla.Kind",
-    "execution.ExecutionProfile", "step_trial.Record",
+    "execution.ExecutionProfile", "execution.step_trial.Record",
 }
 
 SGD = keras.optimizers.SGD
@@ -363,26 +363,26 @@ CASES = [
      TypeError, "`fused`"),
     ("device.xla.set_measured_epilogue", lambda: xla.set_measured_epilogue("elu", "CPU", True),
      ValueError, "`activation`"),
-    ("step_trial.FirstCallGuard",
+    ("execution.step_trial.FirstCallGuard",
      lambda: step_trial.FirstCallGuard("m", len, len, "E"), TypeError, "`model`"),
-    ("step_trial.StepTrial",
+    ("execution.step_trial.StepTrial",
      lambda: step_trial.StepTrial({}, {"graph": len, "xla": len}, 1.05, print), TypeError,
      "`record`"),
-    ("step_trial.StepTrial",
+    ("execution.step_trial.StepTrial",
      lambda: step_trial.StepTrial(step_trial.Record(), {"xla": len, "graph": len}, 1.05, print),
      ValueError, "`candidates`"),
-    ("step_trial.StepTrial",
+    ("execution.step_trial.StepTrial",
      lambda: step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 0.5, print),
      ValueError, "`margin`"),
-    ("step_trial.calls_to_decide", lambda: step_trial.calls_to_decide(1), ValueError,
+    ("execution.step_trial.calls_to_decide", lambda: step_trial.calls_to_decide(1), ValueError,
      "`modes`"),
     ("execution.candidate_modes", lambda: execution.candidate_modes("m"), TypeError, "`model`"),
-    ("fused_update.install", lambda: fused_update.install("adam"), TypeError, "`optimizer`"),
-    ("fused_update.is_installed", lambda: fused_update.is_installed(None), TypeError,
+    ("execution.fused_update.install", lambda: fused_update.install("adam"), TypeError, "`optimizer`"),
+    ("execution.fused_update.is_installed", lambda: fused_update.is_installed(None), TypeError,
      "`optimizer`"),
-    ("fused_update.unsupported_reason", lambda: fused_update.unsupported_reason(SGD), TypeError,
+    ("execution.fused_update.unsupported_reason", lambda: fused_update.unsupported_reason(SGD), TypeError,
      "`optimizer`"),
-    ("fused_update.compiling", lambda: _enter(fused_update.compiling("yes")), TypeError,
+    ("execution.fused_update.compiling", lambda: _enter(fused_update.compiling("yes")), TypeError,
      "`enabled`"),
 ]
 

@@ -9,7 +9,7 @@ oneDNN in the TensorFlow graph uses it). So ``mode="auto"`` in
 batches it trains on (nothing is computed twice, no batch is skipped). The
 modes: ``"graph"`` (a TensorFlow graph, Keras's default), ``"xla_update"``
 (the same graph with only the optimizer's update compiled by XLA,
-:mod:`keras_mp.fused_update`) and ``"xla"`` (the whole step compiled):
+:mod:`keras_mp.execution.fused_update`) and ``"xla"`` (the whole step compiled):
 
 * the first calls of the train function go round the modes: one call each
   (tracing and compilation), one more each (warm-up, untimed), then

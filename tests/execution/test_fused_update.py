@@ -1,4 +1,4 @@
-"""keras_mp.fused_update: the optimizer's update compiled alone, the same
+"""keras_mp.execution.fused_update: the optimizer's update compiled alone, the same
 numbers as Keras's graph, and only where it is asked for."""
 
 import keras
@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp import fused_update
+from keras_mp.execution import fused_update
 
 OPTIMIZERS = ["adam", "adamw", "sgd", "rmsprop", "lion", "adafactor", "nadam", "adagrad",
               "adamax", "ftrl", "adadelta", "muon"]

@@ -16,7 +16,7 @@ the same ``fit`` ran 1.58x faster by process CPU time and 1.48x by wall
 time with the update compiled. The variables agree with the graph's to
 float32 rounding (largest difference / largest weight <= 4e-7 after 5
 steps for Adam, AdamW, SGD, RMSprop, Lion, Adafactor, Nadam, Adagrad,
-Adamax, Ftrl, Adadelta and Muon; ``tests/test_fused_update.py``).
+Adamax, Ftrl, Adadelta and Muon; ``tests/execution/test_fused_update.py``).
 
 It does not pay everywhere (XLA:CPU runs the per-variable pieces one after
 another, where the TensorFlow executor spreads small ops over the cores), so
@@ -32,7 +32,7 @@ gradient all-reduce and is never compiled.
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf
-    >>> from keras_mp import fused_update
+    >>> from keras_mp.execution import fused_update
     >>> opt = keras.optimizers.Adam(0.1)
     >>> w = keras.Variable(np.ones((4,), "float32"))
     >>> opt.build([w])

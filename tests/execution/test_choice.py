@@ -9,7 +9,8 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp import execution, step_trial
+from keras_mp import execution
+from keras_mp.execution import step_trial
 from keras_mp.device import xla
 
 

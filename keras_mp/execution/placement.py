@@ -1,0 +1,130 @@
+"""Where a model's fused layers run their matmuls and epilogues, as measured.
+
+:func:`keras_mp.execution.configure` calls :func:`apply` for a model: the
+fused layers' matmuls go to the faster of graph and XLA for the narrowest
+dtype the model computes in (:mod:`keras_mp.execution.micro_benchmark`), and where
+matmuls stay outside XLA, each activation's epilogue is measured
+(:func:`epilogue`) and the result handed to :mod:`keras_mp.device.xla`.
+
+Example:
+    >>> import keras
+    >>> from keras_mp.execution import placement
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> placement.compute_dtypes(model)
+    {'float32'}
+"""
+
+from __future__ import annotations
+
+import threading
+
+import keras
+import tensorflow as tf
+
+from keras_mp.device import xla
+from keras_mp.execution.micro_benchmark import _check_device_type, _interleaved, profile
+from keras_mp.fused import layers as fused_layers
+from keras_mp.fused import ops as kops
+
+__all__ = ["apply", "compute_dtypes", "epilogue"]
+
+_lock = threading.Lock()
+
+
+def compute_dtypes(model: keras.Model) -> set[str]:
+    """The compute dtypes of ``model``'s layers with weights (float32 if none)."""
+    return {layer.compute_dtype for layer in model._flatten_layers(include_self=False)
+            if layer.weights and layer.compute_dtype in ("float32", "bfloat16", "float16")} or {
+                "float32"}
+
+
+def apply(model: keras.Model) -> None:
+    """Points the fused layers' matmuls at the faster of graph and XLA for
+    the narrowest dtype the model computes in (measured, not from flags),
+    and, where matmuls stay outside XLA, their epilogues (:func:`epilogue`)."""
+    prof = profile()
+    dtypes = compute_dtypes(model)
+    dtype = next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
+    if dtype in prof.matmul and "xla" in prof.matmul[dtype]:
+        xla.set_measured_default("matmul", prof.device_type, prof.matmul_xla_wins(dtype))
+    if xla.uses_xla("matmul", prof.device_type) or not xla.xla_available(prof.device_type):
+        return
+    for act in _fused_dense_activations(model):
+        speedup = epilogue(act, dtype, prof.device_type)
+        xla.set_measured_epilogue(act, prof.device_type, speedup > 1.0)
+
+
+def _fused_dense_activations(model: keras.Model) -> list[str]:
+    names = set()
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, fused_layers.Dense) and layer.fused:
+            name, approximate = fused_layers._FUSED_ACTIVATIONS[layer.activation]
+            names.add(kops.activation._check_activation(name, approximate))
+    return sorted(names)
+
+
+_epilogue_cache: dict[tuple[str, str, str], float] = {}
+
+
+def epilogue(activation: str, dtype: str = "bfloat16", device_type: str | None = None, *,
+             batch: int = 256, width: int = 1024, rounds: int = 5) -> float:
+    """Measures (once per process) a fused ``Dense``'s epilogue as one XLA
+    kernel against TensorFlow ops fused into the matmul by TensorFlow.
+
+    The step: three ``activation(h @ kernel + bias)`` layers, forward,
+    backward and update, matmuls in TensorFlow, ``[batch, width] x [width,
+    width]`` in ``dtype``, timed in interleaved rounds. (One layer alone
+    does not show it: the cost of the XLA epilogue on an AMX Xeon came from
+    the boundaries between oneDNN matmuls and XLA kernels across layers.)
+
+    Args:
+        activation: a :func:`keras_mp.fused.ops.bias_activation` kernel name
+            (``"linear"``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``,
+            ``"silu"``, ``"tanh"``).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device_type: as for :func:`profile`.
+        batch, width, rounds: the step's size and the timing rounds.
+
+    Returns:
+        The XLA epilogue's speed-up over TensorFlow's fusion: the smaller of
+        the CPU-time and wall-time ratios (> 1: the XLA kernel is faster).
+    """
+    device_type = _check_device_type(device_type)
+    if activation not in xla.EPILOGUE_ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {xla.EPILOGUE_ACTIVATIONS}, "
+                         f"got {activation!r}.")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"`dtype` must be one of 'float32', 'bfloat16', 'float16', got "
+                         f"{dtype!r}.")
+    key = (activation, dtype, device_type)
+    with _lock:
+        if key in _epilogue_cache:
+            return _epilogue_cache[key]
+    name, approximate = ("gelu", True) if activation == "gelu_tanh" else (activation, False)
+    init = tf.random.stateless_normal
+    with tf.device(f"/{device_type}:0"):
+        x = tf.cast(init([batch, width], seed=[3, 1]), dtype)
+        weights = [tf.Variable(init([width, width], seed=[3, 2 + i]) * 0.03) for i in range(3)]
+        weights += [tf.Variable(tf.zeros([width])) for _ in range(3)]
+
+        def make(impl):
+            def step():
+                with tf.GradientTape() as tape:
+                    h = x
+                    for kernel, bias in zip(weights[:3], weights[3:]):
+                        h = impl(tf.matmul(h, tf.cast(kernel, dtype)), bias, name,
+                                 approximate=approximate)
+                    loss = tf.reduce_mean(tf.square(tf.cast(h, "float32")))
+                for w, g in zip(weights, tape.gradient(loss, weights)):
+                    w.assign_sub(1e-4 * g)
+                return loss
+            fn = tf.function(step, autograph=False)
+            return lambda: fn().numpy()
+
+        times = _interleaved({"xla": make(kops.bias_activation),
+                              "tf": make(kops.bias_activation_reference)}, rounds, 3)
+    (tc, tw), (xc, xw) = times["tf"], times["xla"]
+    speedup = min(tc / max(xc, 1e-12), tw / max(xw, 1e-12))
+    with _lock:
+        _epilogue_cache[key] = speedup
+    return speedup
