@@ -6,9 +6,9 @@ for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
 """
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
-from keras_mp import (autofit, callbacks, controller, device, distribute, execution, export,
-                      forward, hooks, policies, precision_state, probe, quantization, report,
-                      stats)
+from keras_mp.adaptive import (autofit, controller, forward, hooks, state as precision_state,
+                               probe, report, stats)
+from keras_mp import callbacks, device, distribute, execution, export, policies, quantization
 from keras_mp.execution import fused_update
 from keras_mp.fused import layers, ops
 from keras_mp.scaling import kernels, loss_scale
@@ -20,7 +20,7 @@ from keras_mp.scaling.loss_scale import (DynamicLossScale, FixedLossScale, LossS
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 from keras_mp.policies import AdaptivePolicy, global_policy, policy_scope, set_global_policy
 from keras_mp.quantization import quantize
-from keras_mp.report import precision_report
+from keras_mp.adaptive.report import precision_report
 from keras_mp.device.xla import set_xla, uses_xla
 
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
 """The global-policy functions, which accept the adaptive policies
-(:class:`keras_mp.AdaptivePolicy`, defined in :mod:`keras_mp.adaptive_policy`
-and re-exported here), and the layers a model's adaptive policy controls.
+(:class:`keras_mp.AdaptivePolicy`, defined in :mod:`keras_mp.adaptive.policy`),
+and, re-exported from :mod:`keras_mp.adaptive.controlled_layers`, the
+policy of a model and the layers it controls.
 
 Example:
     >>> import keras, keras_mp
@@ -21,10 +22,11 @@ from typing import Any
 import keras
 from keras.dtype_policies import DTypePolicy
 
-from keras_mp.adaptive_policy import AdaptivePolicy  # noqa: F401 - re-exported
+from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.policy import AdaptivePolicy
 
-__all__ = ["ADAPTIVE_NAMES", "set_global_policy", "global_policy", "policy_scope", "get",
-           "policy_of", "adaptive_layers"]
+__all__ = ["ADAPTIVE_NAMES", "AdaptivePolicy", "set_global_policy", "global_policy",
+           "policy_scope", "get", "policy_of", "adaptive_layers"]
 
 #: Adaptive policy names and their candidates (None: the device's fast set).
 ADAPTIVE_NAMES: dict[str, tuple[str, ...] | None] = {
@@ -100,91 +102,3 @@ def policy_scope(policy: Any) -> Iterator[DTypePolicy]:
         yield policy
     finally:
         keras.config.set_dtype_policy(previous)
-
-
-def _name_paths(container: keras.layers.Layer) -> None:
-    """Gives a path to every layer below ``container`` that has none.
-
-    Keras sets a layer's ``path`` when it builds it, and never for a layer
-    without weights (no ``build``): such a layer (``ReLU``, ``Softmax``,
-    ``MultiHeadAttention``'s softmax) looks itself up in a policy map by a path
-    of None and always gets the default. Its path here is its siblings'
-    prefix (or its container's path) and its name, as Keras would have made it.
-    """
-    children = list(container._flatten_layers(include_self=False, recursive=False))
-    prefix = next((child.path[:-len(child.name)] for child in children
-                   if child.path and child.path.endswith(child.name)), None)
-    if prefix is None:
-        prefix = container.path + "/" if container.path else ""
-    for child in children:
-        if child.path is None:
-            # Not Keras's __setattr__: a path is not state to track.
-            object.__setattr__(child, "_path", prefix + child.name)
-        _name_paths(child)
-
-
-def policy_of(model: keras.Model) -> AdaptivePolicy | None:
-    """The :class:`AdaptivePolicy` that ``model``'s layers use, or None.
-
-    A model loaded from a ``.keras`` file gives each layer its own copy of
-    the policy (Keras deserializes each layer's ``dtype`` separately); this
-    makes them share one, so that a change reaches every layer.
-    """
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
-                        f"{type(model).__name__}.")
-    found: list[keras.layers.Layer] = [
-        layer for layer in model._flatten_layers(include_self=True)
-        if isinstance(getattr(layer, "_dtype_policy", None), AdaptivePolicy)]
-    if not found:
-        return None
-    _name_paths(model)
-    current = global_policy()
-    policies = [layer._dtype_policy for layer in found]
-    chosen = current if any(p is current for p in policies) else policies[0]
-    for layer in found:
-        if layer._dtype_policy is not chosen:
-            # Not the `dtype_policy` setter: it would insert into the map.
-            layer._dtype_policy = chosen
-    return chosen
-
-
-def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.layers.Layer]:
-    """The layers whose precision ``policy`` controls, in ``model``'s layer order.
-
-    Every layer that holds ``policy`` and computes, with or without weights
-    (a layer's compute dtype decides where Keras casts its inputs, so a
-    weightless ``Rescaling`` or ``Softmax`` can be where the range is lost),
-    including the sublayers of nested, subclassed and composite layers (such
-    as ``MultiHeadAttention``'s projections and softmax). Left out: models
-    (containers whose layers are listed instead), ``InputLayer`` and quantized
-    layers (their dtype belongs to the quantization), except the
-    float8-capable layers the policy switches (:mod:`keras_mp.float8`).
-
-    Example:
-        >>> import keras, keras_mp
-        >>> with keras_mp.policy_scope("adaptive_bfloat16") as p:
-        ...     m = keras.Sequential([keras.Input((3,)), keras.layers.Rescaling(0.1),
-        ...                           keras.layers.Dense(2), keras.layers.Softmax()])
-        >>> [type(layer).__name__ for layer in adaptive_layers(m, p)]
-        ['Rescaling', 'Dense', 'Softmax']
-    """
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
-                        f"{type(model).__name__}.")
-    if not isinstance(policy, AdaptivePolicy):
-        raise TypeError(f"`policy` must be an AdaptivePolicy (see policy_of), got {policy!r} "
-                        f"of type {type(policy).__name__}.")
-    _name_paths(model)
-    seen: set[int] = set()
-    out = []
-    for layer in model._flatten_layers(include_self=False):
-        if id(layer) in seen or layer._dtype_policy is not policy:
-            continue
-        seen.add(id(layer))
-        if isinstance(layer, (keras.Model, keras.layers.InputLayer)):
-            continue
-        if layer.quantization_mode is not None and not policy.is_float8(layer.path):
-            continue
-        out.append(layer)
-    return out

@@ -49,7 +49,7 @@ from typing import Any
 import keras
 from keras.src.dtype_policies import QUANTIZATION_MODES  # no public name
 
-from keras_mp import float8
+from keras_mp.adaptive import float8
 from keras_mp.policies import AdaptivePolicy, policy_of
 
 __all__ = ["MODES", "patch_quantize", "plan", "quantize", "quantizable"]
@@ -265,7 +265,7 @@ def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = ()
             on to Keras.
 
     Layers that trained in float8 under keras-mp become plain float layers
-    first (:func:`keras_mp.float8.release`), quantized or kept.
+    first (:func:`keras_mp.adaptive.float8.release`), quantized or kept.
 
     Keras refuses int8 on a layer that computes in float16 (an
     ``adaptive_float16`` layer that was never promoted): in int8 mode such a

@@ -20,20 +20,22 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp import (autofit, callbacks, controller, datasets, deploy_demo, device, distribute,
-                      execution, export, float8, forward, hooks, optimizer_setup, policies,
-                      precision_state, probe, quantization, report, stats, tensorboard, tuning)
+from keras_mp.adaptive import (autofit, controller, float8, forward, hooks, optimizer_setup,
+                               state as precision_state, probe, report, stats, switching,
+                               tensorboard)
+from keras_mp import (callbacks, datasets, deploy_demo, device, distribute, execution, export,
+                      policies, quantization, tuning)
 from keras_mp.execution import fused_update, step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.scaling import kernels, loss_scale, optimizer
 from keras_mp.device import xla
 from keras_mp.fused.fuse import fuse as fuse_model
 
-MODULES = ["adaptive_policy", "autofit", "callbacks", "cli", "controller", "datasets", "demo",
-           "deploy_demo", "device", "device.capabilities", "device.xla", "distribute", "execution", "export", "float8", "forward",
-           "fused", "fused.fuse", "execution.fused_update", "hooks", "scaling.kernels", "fused.layers", "scaling.loss_scale", "fused.ops", "scaling.optimizer", "policies",
-           "optimizer_setup", "precision_state", "probe", "quantization", "report", "rule", "scaling",
-           "stats", "execution.step_trial", "tensorboard", "tuning"]
+MODULES = ["adaptive.policy", "adaptive.autofit", "callbacks", "cli", "adaptive.controller", "datasets", "demo",
+           "deploy_demo", "device", "device.capabilities", "device.xla", "distribute", "execution", "export", "adaptive.float8", "adaptive.forward",
+           "fused", "fused.fuse", "execution.fused_update", "adaptive.hooks", "scaling.kernels", "fused.layers", "scaling.loss_scale", "fused.ops", "scaling.optimizer", "policies",
+           "adaptive.optimizer_setup", "adaptive.state", "adaptive.probe", "quantization", "adaptive.report", "adaptive.rule", "scaling",
+           "adaptive.stats", "adaptive.switching", "adaptive.controlled_layers", "adaptive.float8_policy", "execution.step_trial", "adaptive.tensorboard", "tuning"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -43,16 +45,16 @@ NO_ARGUMENTS = {
     "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
-    "autofit.enabled", "autofit.install", "float8.install",
-    "forward.floating_tensors",  # takes any structure; keeps its floating tensors
+    "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
+    "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "quantization.patch_quantize", "quantization.unpatch_quantize",
 }
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
-    "rule.Switch", "rule.Decision", "rule.LayerStats",
+    "adaptive.rule.Switch", "adaptive.rule.Decision", "adaptive.rule.LayerStats",
     "datasets.Loaded", "demo.DemoResult", "demo.DemoRun", "device.capabilities.DeviceProfile",
-    "scaling.kernels.GradientStatistics", "probe.ProbeResult",
-    "report.PrecisionReport", "stats.IntervalStats", "device.xla.Kind",
+    "scaling.kernels.GradientStatistics", "adaptive.probe.ProbeResult",
+    "adaptive.report.PrecisionReport", "adaptive.stats.IntervalStats", "device.xla.Kind",
     "execution.ExecutionProfile", "execution.step_trial.Record",
 }
 
@@ -88,57 +90,57 @@ CASES = [
     ("callbacks.AdaptivePrecision", lambda: callbacks.AdaptivePrecision(probe_every=0),
      ValueError, "`probe_every`"),
     # autofit
-    ("autofit.set_enabled", lambda: autofit.set_enabled(1), TypeError, "`value`"),
-    ("autofit.callback_of", lambda: autofit.callback_of("model"), TypeError, "`model`"),
+    ("adaptive.autofit.set_enabled", lambda: autofit.set_enabled(1), TypeError, "`value`"),
+    ("adaptive.autofit.callback_of", lambda: autofit.callback_of("model"), TypeError, "`model`"),
     # forward
-    ("forward.dtype_max", lambda: forward.dtype_max("int8"), ValueError, "`dtype`"),
-    ("forward.dtype_tiny", lambda: forward.dtype_tiny("fp8"), ValueError, "`dtype`"),
-    ("forward.layer_statistics", lambda: forward.layer_statistics([], [], "int32"), ValueError,
+    ("adaptive.forward.dtype_max", lambda: forward.dtype_max("int8"), ValueError, "`dtype`"),
+    ("adaptive.forward.dtype_tiny", lambda: forward.dtype_tiny("fp8"), ValueError, "`dtype`"),
+    ("adaptive.forward.layer_statistics", lambda: forward.layer_statistics([], [], "int32"), ValueError,
      "`dtype`"),
     # hooks
-    ("hooks.Hooks", lambda: hooks.Hooks("model", []), TypeError, "`model`"),
-    ("hooks.Hooks", lambda: hooks.Hooks(_model(), ["dense"]), TypeError, "`layers`"),
+    ("adaptive.hooks.Hooks", lambda: hooks.Hooks("model", []), TypeError, "`model`"),
+    ("adaptive.hooks.Hooks", lambda: hooks.Hooks(_model(), ["dense"]), TypeError, "`layers`"),
     # precision_state
-    ("precision_state.PrecisionState", lambda: precision_state.PrecisionState("dense"),
+    ("adaptive.state.PrecisionState", lambda: precision_state.PrecisionState("dense"),
      TypeError, "`paths`"),
     # probe
-    ("probe.probe", lambda: probe.probe(_model(), (x2, x2), "float32", []), TypeError,
+    ("adaptive.probe.probe", lambda: probe.probe(_model(), (x2, x2), "float32", []), TypeError,
      "`policy`"),
-    ("probe.probe", lambda: probe.probe("model", (x2, x2), None, []), TypeError, "`model`"),
+    ("adaptive.probe.probe", lambda: probe.probe("model", (x2, x2), None, []), TypeError, "`model`"),
     # cli
     ("cli.main", lambda: importlib.import_module("keras_mp.cli").main(["--no-such-flag"]),
      SystemExit, None),
     # controller
-    ("rule.DecisionRule", lambda: controller.DecisionRule(max_nonfinite=1.5), ValueError,
+    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(max_nonfinite=1.5), ValueError,
      "`max_nonfinite`"),
-    ("rule.DecisionRule", lambda: controller.DecisionRule(patience=0), ValueError,
+    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(patience=0), ValueError,
      "`patience`"),
-    ("rule.DecisionRule", lambda: controller.DecisionRule(cooldown="2"), ValueError,
+    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(cooldown="2"), ValueError,
      "`cooldown`"),
-    ("rule.DecisionRule", lambda: controller.DecisionRule(hysteresis=0), ValueError,
+    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(hysteresis=0), ValueError,
      "`hysteresis`"),
-    ("rule.LayerState", lambda: controller.LayerState("int8"), ValueError, "`dtype`"),
-    ("controller.decide", lambda: controller.decide(
+    ("adaptive.rule.LayerState", lambda: controller.LayerState("int8"), ValueError, "`dtype`"),
+    ("adaptive.controller.decide", lambda: controller.decide(
         [controller.LayerStats()], [], ("float16", "float32")), ValueError, "`states`"),
-    ("controller.decide", lambda: controller.decide(
+    ("adaptive.controller.decide", lambda: controller.decide(
         [], [], ("float16", "int8")), ValueError, "`candidates`"),
-    ("controller.decide", lambda: controller.decide(
+    ("adaptive.controller.decide", lambda: controller.decide(
         [], [], ("float32",), all_nonfinite=2.0), ValueError, "`all_nonfinite`"),
-    ("rule.DecisionRule", lambda: controller.DecisionRule(max_probe_loss_error=0),
+    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(max_probe_loss_error=0),
      ValueError, "`max_probe_loss_error`"),
-    ("rule.DecisionRule", lambda: controller.DecisionRule(max_near_max=2), ValueError,
+    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(max_near_max=2), ValueError,
      "`max_near_max`"),
-    ("rule.LayerState", lambda: controller.LayerState("float32", trial=-1), ValueError,
+    ("adaptive.rule.LayerState", lambda: controller.LayerState("float32", trial=-1), ValueError,
      "`trial`"),
-    ("controller.decide", lambda: controller.decide(
+    ("adaptive.controller.decide", lambda: controller.decide(
         [], [], ("float32",), probe_steps=-1), ValueError, "`probe_steps`"),
-    ("controller.decide", lambda: controller.decide(
+    ("adaptive.controller.decide", lambda: controller.decide(
         [], [], ("float32",), probe_loss_error=float("nan")), ValueError, "`probe_loss_error`"),
-    ("rule.sort_candidates", lambda: controller.sort_candidates("float16"), ValueError,
+    ("adaptive.rule.sort_candidates", lambda: controller.sort_candidates("float16"), ValueError,
      "`candidates`"),
-    ("rule.sort_candidates", lambda: controller.sort_candidates(["float16", "int8"]),
+    ("adaptive.rule.sort_candidates", lambda: controller.sort_candidates(["float16", "int8"]),
      ValueError, "`candidates`"),
-    ("rule.sort_candidates", lambda: controller.sort_candidates([]), ValueError,
+    ("adaptive.rule.sort_candidates", lambda: controller.sort_candidates([]), ValueError,
      "`candidates`"),
     # datasets
     ("datasets.load_digits", lambda: datasets.load_digits(test_fraction=1.5), ValueError,
@@ -248,45 +250,51 @@ CASES = [
     ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
         SGD(), schedule="sometimes"), ValueError, "`schedule`"),
     # policies
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float16", "int8")),
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float16", "int8")),
      ValueError, "`candidates`"),
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(rule=3),
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(rule=3),
      TypeError, "`rule`"),
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(name=3),
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(name=3),
      TypeError, "`name`"),
     # float16 candidates with an int8 entry: incompatible
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("float16", "float32"), assignments={"dense": "int8"}), ValueError, "`dtype`"),
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float8",)), ValueError,
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("adaptive.float8",)), ValueError,
      "`candidates`"),
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8_recipe=3), TypeError,
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8_recipe=3), TypeError,
      "`float8_recipe`"),
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8=3),
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8=3),
      TypeError, "`float8`"),
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
-        ("bfloat16", "float32")).assign("dense", "float8"), ValueError, "`dtype`"),
-    ("float8.Float8Recipe", lambda: float8.Float8Recipe(margin=-1), ValueError, "`margin`"),
-    ("float8.Float8Recipe", lambda: float8.Float8Recipe(amax_history_length=0), ValueError,
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+        ("bfloat16", "float32")).assign("dense", "adaptive.float8"), ValueError, "`dtype`"),
+    ("adaptive.switching.refresh", lambda: switching.refresh("dense"), TypeError, "`layer`"),
+    ("adaptive.switching.with_parents", lambda: switching.with_parents("p", [], [], []), TypeError,
+     "`policy`"),
+    ("adaptive.switching.apply", lambda: switching.apply("p", [], [], [], 0), TypeError, "`policy`"),
+    ("adaptive.switching.write_records", lambda: switching.write_records("p", [], [], None, []),
+     TypeError, "`policy`"),
+    ("adaptive.float8.Float8Recipe", lambda: float8.Float8Recipe(margin=-1), ValueError, "`margin`"),
+    ("adaptive.float8.Float8Recipe", lambda: float8.Float8Recipe(amax_history_length=0), ValueError,
      "`amax_history_length`"),
-    ("float8.Float8Recipe", lambda: float8.Float8Recipe(amax_compute_algo="min"), ValueError,
+    ("adaptive.float8.Float8Recipe", lambda: float8.Float8Recipe(amax_compute_algo="min"), ValueError,
      "`amax_compute_algo`"),
-    ("float8.Float8Policy", lambda: float8.Float8Policy(source_name="int8"), ValueError,
+    ("adaptive.float8.Float8Policy", lambda: float8.Float8Policy(source_name="int8"), ValueError,
      "`source_name`"),
-    ("float8.Float8Policy", lambda: float8.Float8Policy(source_name="float32", active="yes"),
+    ("adaptive.float8.Float8Policy", lambda: float8.Float8Policy(source_name="float32", active="yes"),
      TypeError, "`active`"),
-    ("float8.eligible", lambda: float8.eligible("dense"), TypeError, "`layer`"),
-    ("float8.is_float8_layer", lambda: float8.is_float8_layer(3), TypeError, "`layer`"),
-    ("float8.prepare", lambda: float8.prepare(_model()), ValueError, "`model`"),
-    ("float8.release", lambda: float8.release(_model().layers[0]), ValueError, "`layer`"),
-    ("float8.prepare", lambda: float8.prepare("model"), TypeError, "`model`"),
-    ("stats.learned_variables", lambda: stats.learned_variables("dense"), TypeError, "`layer`"),
-    ("optimizer_setup.scale_floor", lambda: optimizer_setup.scale_floor(2.0), TypeError,
+    ("adaptive.float8.eligible", lambda: float8.eligible("dense"), TypeError, "`layer`"),
+    ("adaptive.float8.is_float8_layer", lambda: float8.is_float8_layer(3), TypeError, "`layer`"),
+    ("adaptive.float8.prepare", lambda: float8.prepare(_model()), ValueError, "`model`"),
+    ("adaptive.float8.release", lambda: float8.release(_model().layers[0]), ValueError, "`layer`"),
+    ("adaptive.float8.prepare", lambda: float8.prepare("model"), TypeError, "`model`"),
+    ("adaptive.stats.learned_variables", lambda: stats.learned_variables("dense"), TypeError, "`layer`"),
+    ("adaptive.optimizer_setup.scale_floor", lambda: optimizer_setup.scale_floor(2.0), TypeError,
      "`schedule`"),
-    ("optimizer_setup.replace_optimizer", lambda: optimizer_setup.replace_optimizer(
+    ("adaptive.optimizer_setup.replace_optimizer", lambda: optimizer_setup.replace_optimizer(
         "model", SGD), TypeError, "`model`"),
-    ("optimizer_setup.rebuild_for_new_variables",
+    ("adaptive.optimizer_setup.rebuild_for_new_variables",
      lambda: optimizer_setup.rebuild_for_new_variables("model"), TypeError, "`model`"),
-    ("tensorboard.write_interval", lambda: tensorboard.write_interval(
+    ("adaptive.tensorboard.write_interval", lambda: tensorboard.write_interval(
         None, 0, policies.AdaptivePolicy(("bfloat16", "float32")), (), {}, 0), TypeError,
      "`interval`"),
     ("policies.get", lambda: policies.get("adaptive_int8"), ValueError, "`policy`"),
@@ -298,15 +306,15 @@ CASES = [
     ("policies.adaptive_layers", lambda: policies.adaptive_layers(_model(), "float32"),
      TypeError, "`policy`"),
     # report
-    ("report.precision_report", lambda: report.precision_report("model"), TypeError,
+    ("adaptive.report.precision_report", lambda: report.precision_report("model"), TypeError,
      "`model`"),
     # stats
-    ("stats.LayerStatistics", lambda: stats.LayerStatistics([]), ValueError, "`layers`"),
-    ("stats.LayerStatistics", lambda: stats.LayerStatistics(["dense"]), TypeError, "`layers`"),
-    ("stats.LayerStatistics", lambda: stats.LayerStatistics(
+    ("adaptive.stats.LayerStatistics", lambda: stats.LayerStatistics([]), ValueError, "`layers`"),
+    ("adaptive.stats.LayerStatistics", lambda: stats.LayerStatistics(["dense"]), TypeError, "`layers`"),
+    ("adaptive.stats.LayerStatistics", lambda: stats.LayerStatistics(
         _model().layers, scale_floor=-1.0), ValueError, "`scale_floor`"),
-    ("stats.variable_path", lambda: stats.variable_path(3), TypeError, "`variable`"),
-    ("stats.agree", lambda: stats.agree([(tf.ones([2]), "median")]), ValueError, "`how`"),
+    ("adaptive.stats.variable_path", lambda: stats.variable_path(3), TypeError, "`variable`"),
+    ("adaptive.stats.agree", lambda: stats.agree([(tf.ones([2]), "median")]), ValueError, "`how`"),
     # tuning
     ("tuning.loss_scale_schedule", lambda: tuning.loss_scale_schedule(None), TypeError, "`hp`"),
     ("tuning.objective", lambda: tuning.objective("fastest"), ValueError, "`name`"),
@@ -334,7 +342,7 @@ CASES = [
      "`weights`"),
     ("export.export", lambda: export.export(_model(), 3), TypeError, "`path`"),
     ("export.float32_copy", lambda: export.float32_copy("m"), TypeError, "`model`"),
-    ("adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(policies=3), TypeError,
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(policies=3), TypeError,
      "`policies`"),
     ("deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(0), ValueError, "`n`"),
     ("deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(4, fraction=2), ValueError,

@@ -2,10 +2,11 @@
 optimizer: the smallest loss scale a schedule reaches (where non-finite
 gradients start to count against layers), and replacing the model's
 optimizer with a loss-scaling wrapper, or with a fresh copy when
-:func:`keras_mp.float8.prepare` added variables after ``fit`` built it.
+:func:`keras_mp.adaptive.float8.prepare` added variables after ``fit`` built it.
 
 Example:
-    >>> from keras_mp import FixedLossScale, DynamicLossScale, optimizer_setup
+    >>> from keras_mp import FixedLossScale, DynamicLossScale
+    >>> from keras_mp.adaptive import optimizer_setup
     >>> optimizer_setup.scale_floor(FixedLossScale(128.0))
     128.0
     >>> optimizer_setup.scale_floor(DynamicLossScale(min_scale=1.0))
@@ -54,7 +55,7 @@ def replace_optimizer(model: keras.Model, make: Callable[[], keras.optimizers.Op
 
 def rebuild_for_new_variables(model: keras.Model) -> None:
     """A fresh copy of the model's optimizer, built on its variables now:
-    :func:`keras_mp.float8.prepare` just added float8 variables that an
+    :func:`keras_mp.adaptive.float8.prepare` just added float8 variables that an
     optimizer built before (``fit`` builds it before callbacks start, under a
     strategy) would refuse. Only an optimizer that has not taken a step yet is
     replaced; otherwise a ``ValueError`` says what to do."""
@@ -66,7 +67,7 @@ def rebuild_for_new_variables(model: keras.Model) -> None:
     if int(keras.ops.convert_to_numpy(opt.iterations)) > 0:
         raise ValueError(
             "The model's optimizer has already trained without the float8 variables that "
-            "keras_mp.float8.prepare(model) adds; call it before the optimizer's first step "
+            "keras_mp.adaptive.float8.prepare(model) adds; call it before the optimizer's first step "
             "(before fit, or before optimizer.build in a custom loop).")
     replace_optimizer(model, lambda: keras.optimizers.deserialize(
         keras.optimizers.serialize(opt)))

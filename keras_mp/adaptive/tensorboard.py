@@ -11,9 +11,10 @@ probed; float8 evidence for float8-capable layers).
 
 Example:
     >>> import tempfile, tensorflow as tf
-    >>> from keras_mp import AdaptivePolicy, tensorboard
-    >>> from keras_mp.controller import LayerStats
-    >>> from keras_mp.stats import IntervalStats
+    >>> from keras_mp import AdaptivePolicy
+    >>> from keras_mp.adaptive import tensorboard
+    >>> from keras_mp.adaptive.controller import LayerStats
+    >>> from keras_mp.adaptive.stats import IntervalStats
     >>> interval = IntervalStats(steps=4, all_nonfinite=0.0, mean_scale=1.0, paths=("dense",),
     ...                          layers=(LayerStats(steps=4),))
     >>> writer = tf.summary.create_file_writer(tempfile.mkdtemp())
@@ -28,8 +29,8 @@ from collections.abc import Sequence
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from keras_mp import float8
-from keras_mp.stats import IntervalStats
+from keras_mp.adaptive import float8
+from keras_mp.adaptive.stats import IntervalStats
 
 __all__ = ["BITS", "write_interval"]
 
@@ -56,11 +57,11 @@ def write_interval(writer, step: int, policy, paths: Sequence[str], interval,
         step: the train-function call of the decision.
         policy: the model's :class:`keras_mp.AdaptivePolicy`.
         paths: the controlled layers' paths, as in ``interval``.
-        interval: the :class:`keras_mp.stats.IntervalStats` decided on.
+        interval: the :class:`keras_mp.adaptive.stats.IntervalStats` decided on.
         switches: how many switches the decision made.
     """
     if not isinstance(interval, IntervalStats):
-        raise TypeError(f"`interval` must be a keras_mp.stats.IntervalStats, got {interval!r}.")
+        raise TypeError(f"`interval` must be a keras_mp.adaptive.stats.IntervalStats, got {interval!r}.")
     with writer.as_default(step=step):
         _scalar("precision/switches", switches)
         _scalar("precision/loss_scale", interval.mean_scale)

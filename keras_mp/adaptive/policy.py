@@ -8,9 +8,9 @@ whenever it needs its compute dtype, so changing an entry (and retracing the
 train step) changes that layer's precision. Variables always stay float32
 (master weights): each entry is ``float32``, ``mixed_bfloat16`` or
 ``mixed_float16``; with ``"float8"`` among the candidates, each ``Dense`` and
-``EinsumDense`` holds a :class:`keras_mp.float8.Float8Policy` instead, whose
+``EinsumDense`` holds a :class:`keras_mp.adaptive.float8.Float8Policy` instead, whose
 ``active`` flag says whether it trains in float8 now (see
-:mod:`keras_mp.float8`).
+:mod:`keras_mp.adaptive.float8`).
 
 Besides the entries, the policy carries what the adaptive controller knows per
 layer (its state, its last statistics and its switch history), so that the
@@ -42,8 +42,8 @@ from keras.dtype_policies import DTypePolicy, DTypePolicyMap
 
 from keras_mp import _checks as checks
 from keras_mp import device
-from keras_mp.float8 import Float8Policy, Float8Recipe
-from keras_mp.rule import DecisionRule, sort_candidates
+from keras_mp.adaptive.float8_policy import Float8Policy, Float8Recipe
+from keras_mp.adaptive.rule import DecisionRule, sort_candidates
 
 __all__ = ["AdaptivePolicy"]
 
@@ -76,7 +76,7 @@ class AdaptivePolicy(DTypePolicyMap):
             None: the device's fast set (:func:`keras_mp.device.default_candidates`):
             never float16 on a CPU without float16 units, float8 only on
             GPUs with float8 units.
-        rule: the :class:`keras_mp.rule.DecisionRule` (or its config
+        rule: the :class:`keras_mp.adaptive.rule.DecisionRule` (or its config
             dict) used by :class:`keras_mp.callbacks.AdaptivePrecision`.
         name: the policy's name; ``"adaptive"`` unless given.
         assignments: layer path -> dtype, for layers not in the narrowest
@@ -87,10 +87,10 @@ class AdaptivePolicy(DTypePolicyMap):
             candidates. The adaptive controller never changes them.
         records: layer path -> what the controller recorded (``"state"``,
             ``"stats"``, ``"history"``), restored from a config.
-        float8_recipe: a :class:`keras_mp.float8.Float8Recipe` (or its
+        float8_recipe: a :class:`keras_mp.adaptive.float8.Float8Recipe` (or its
             config) for the float8 layers; the defaults are Keras's.
         float8: layer path -> dtype of each float8-capable layer (restored
-            from a config; :func:`keras_mp.float8.prepare` adds them).
+            from a config; :func:`keras_mp.adaptive.float8.prepare` adds them).
 
     Example:
         >>> from keras_mp import AdaptivePolicy
@@ -116,9 +116,9 @@ class AdaptivePolicy(DTypePolicyMap):
             candidates = device.default_candidates()
         self._candidates = sort_candidates(candidates)
         self.float8_recipe = checks.object_or_config(
-            "float8_recipe", float8_recipe, Float8Recipe, "keras_mp.float8.Float8Recipe")
+            "float8_recipe", float8_recipe, Float8Recipe, "keras_mp.adaptive.float8.Float8Recipe")
         self.rule = checks.object_or_config("rule", rule, DecisionRule,
-                                            "keras_mp.rule.DecisionRule")
+                                            "keras_mp.adaptive.rule.DecisionRule")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"`name` must be a string or None, got {name!r}.")
         self._adaptive_name = name or "adaptive"
@@ -163,7 +163,7 @@ class AdaptivePolicy(DTypePolicyMap):
 
     def is_float8(self, path: str) -> bool:
         """Whether the layer at ``path`` is float8-capable (holds a
-        :class:`keras_mp.float8.Float8Policy`)."""
+        :class:`keras_mp.adaptive.float8.Float8Policy`)."""
         found = self._key_for(path)
         return found is not None and isinstance(self._policy_map[found], Float8Policy)
 
@@ -171,7 +171,7 @@ class AdaptivePolicy(DTypePolicyMap):
         """Makes the layer at ``path`` float8-capable, computing in ``dtype``
         (``"float8"``: active; another candidate: that dtype, float8 off).
         Its variables come from Keras's ``layer.quantize("float8")`` (see
-        :func:`keras_mp.float8.prepare`)."""
+        :func:`keras_mp.adaptive.float8.prepare`)."""
         if "float8" not in self._candidates:
             raise ValueError(f"Cannot make {path!r} float8-capable: 'float8' is not among the "
                              f"candidates {self._candidates}.")
@@ -188,7 +188,7 @@ class AdaptivePolicy(DTypePolicyMap):
     def release_float8(self, path: str, dtype: str) -> None:
         """The layer at ``path`` is no longer float8-capable: it computes in
         ``dtype`` (one of :attr:`float_candidates`) under a plain entry (see
-        :func:`keras_mp.float8.release`)."""
+        :func:`keras_mp.adaptive.float8.release`)."""
         if not self.is_float8(path):
             raise ValueError(f"`path` {path!r} is not a float8-capable layer of this policy.")
         if dtype not in self.float_candidates:
@@ -264,7 +264,7 @@ class AdaptivePolicy(DTypePolicyMap):
         if dtype == "float8":
             raise ValueError(f"Cannot assign `dtype`='float8' to the layer at `path`={path!r}: "
                              "only Dense and EinsumDense layers prepared by "
-                             "keras_mp.float8.prepare train in float8.")
+                             "keras_mp.adaptive.float8.prepare train in float8.")
         old = self._key_for(path)
         if old is not None:
             entry = self._policy_map[old]

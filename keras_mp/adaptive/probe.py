@@ -37,12 +37,13 @@ scaler's business and the forward statistics'.
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf, keras_mp
-    >>> from keras_mp import policies, probe
+    >>> from keras_mp import policies
+    >>> from keras_mp.adaptive import probe
     >>> keras_mp.set_global_policy("adaptive_bfloat16")
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
-    >>> policy = policies.policy_of(model)
-    >>> layers = policies.adaptive_layers(model, policy)
+    >>> policy = policy_of(model)
+    >>> layers = adaptive_layers(model, policy)
     >>> x = tf.ones([8, 4]); y = 1000.0 + tf.zeros([8, 1])
     >>> r = tf.function(lambda: probe.probe(model, (x, y), policy, layers))()
     >>> float(r.valid), float(r.loss_error) >= 0.0, r.grad_error.shape.as_list()
@@ -58,8 +59,9 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from keras_mp import policies
-from keras_mp.stats import learned_variables, variable_path
+from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.policy import AdaptivePolicy
+from keras_mp.adaptive.stats import learned_variables, variable_path
 
 __all__ = ["ProbeResult", "probe"]
 
@@ -116,7 +118,7 @@ def _loss_and_grads(model, x, y, sample_weight, scale, tvars):
     return loss, out
 
 
-def probe(model: keras.Model, data, policy: policies.AdaptivePolicy,
+def probe(model: keras.Model, data, policy: AdaptivePolicy,
           layers: Sequence[keras.layers.Layer], *, scale=1.0,
           trial: Mapping[str, str] | None = None) -> ProbeResult:
     """Runs the probe on one batch (inside a traced step; see the module docstring).
@@ -137,7 +139,7 @@ def probe(model: keras.Model, data, policy: policies.AdaptivePolicy,
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a Keras model, got {model!r}.")
-    if not isinstance(policy, policies.AdaptivePolicy):
+    if not isinstance(policy, AdaptivePolicy):
         raise TypeError(f"`policy` must be a keras_mp.AdaptivePolicy, got {policy!r}.")
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     tvars = [v for v in model.trainable_variables

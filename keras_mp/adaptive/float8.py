@@ -39,7 +39,7 @@ and the optimizer handle them as Keras does), the same quantizers
 
 Example:
     >>> import keras, numpy as np, keras_mp
-    >>> from keras_mp import float8
+    >>> from keras_mp.adaptive import float8
     >>> p = keras_mp.AdaptivePolicy(candidates=("float8", "bfloat16", "float32"))
     >>> with keras_mp.policy_scope(p):
     ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
@@ -54,7 +54,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -62,10 +61,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 from keras import ops, quantizers
-from keras.dtype_policies import DTypePolicyMap, QuantizedFloat8DTypePolicy
+from keras.dtype_policies import DTypePolicyMap
 
-from keras_mp import _checks as checks
-from keras_mp import forward
+from keras_mp.adaptive import forward
+from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.float8_policy import Float8Policy, Float8Recipe
+from keras_mp.adaptive.policy import AdaptivePolicy
 
 __all__ = ["Float8Recipe", "Float8Policy", "FIELDS", "ELIGIBLE", "VARIABLES", "eligible",
            "is_float8_layer", "prepare", "release", "install"]
@@ -88,114 +89,9 @@ VARIABLES: tuple[str, ...] = ("inputs_scale", "inputs_amax_history", "kernel_sca
                               "outputs_grad_amax_history")
 #: The layer types Keras trains in float8.
 ELIGIBLE: tuple[type, ...] = (keras.layers.Dense, keras.layers.EinsumDense)
-_ALGOS = ("max", "most_recent")
-#: The attribute through which :class:`keras_mp.hooks.Hooks` hands a layer's
+#: The attribute through which :class:`keras_mp.adaptive.hooks.Hooks` hands a layer's
 #: call a recorder of its float8 evidence on statistics steps.
 RECORDER_ATTR = "_keras_mp_float8_recorder"
-
-
-@dataclasses.dataclass(frozen=True)
-class Float8Recipe:
-    """How float8 scales are computed (delayed scaling), per Transformer
-    Engine's ``DelayedScaling`` names.
-
-    Args:
-        margin: scales leave ``2**margin`` headroom: the amax maps to the
-            format's largest value divided by ``2**margin`` (TE ``margin``;
-            Keras: 0, not exposed).
-        amax_history_length: amaxes remembered per tensor (TE
-            ``amax_history_len``; Keras's ``amax_history_length``).
-        amax_compute_algo: ``"max"``, the largest amax in the history (Keras,
-            TE's default), or ``"most_recent"`` (TE ``amax_compute_algo``).
-
-    Example:
-        >>> Float8Recipe(margin=1).get_config()
-        {'margin': 1, 'amax_history_length': 1024, 'amax_compute_algo': 'max'}
-    """
-
-    margin: int = 0
-    amax_history_length: int = 1024
-    amax_compute_algo: str = "max"
-
-    def __post_init__(self):
-        checks.count("margin", self.margin, 0, 16)
-        checks.count("amax_history_length", self.amax_history_length, 1)
-        if self.amax_compute_algo not in _ALGOS:
-            raise ValueError(f"`amax_compute_algo` must be one of {_ALGOS}, got "
-                             f"{self.amax_compute_algo!r}.")
-
-    def get_config(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Float8Recipe:
-        return cls(**config)
-
-
-@keras.saving.register_keras_serializable(package="keras_mp")
-class Float8Policy(QuantizedFloat8DTypePolicy):
-    """Keras's float8 policy with an on/off switch and the recipe (see the
-    module docstring). Immutable: a switch replaces the entry.
-
-    Args:
-        mode: ``"float8"``.
-        source_name: the float policy it computes in: ``"mixed_bfloat16"``,
-            ``"mixed_float16"`` or ``"float32"``.
-        amax_history_length: as in :class:`Float8Recipe`.
-        active: whether the layer trains in float8 now (False: it computes
-            in the source dtype, unquantized).
-        margin, amax_compute_algo: as in :class:`Float8Recipe`.
-
-    Example:
-        >>> p = Float8Policy(source_name="mixed_bfloat16", active=False)
-        >>> p.name, p.compute_dtype, p.quantization_mode, p.active
-        ('float8_from_mixed_bfloat16', 'bfloat16', 'float8', False)
-        >>> Float8Policy.from_config(p.get_config()) == p
-        True
-    """
-
-    def __init__(self, mode: str = "float8", source_name: str | None = None,
-                 amax_history_length: int = 1024, *, active: bool = True, margin: int = 0,
-                 amax_compute_algo: str = "max"):
-        if mode != "float8":
-            raise ValueError(f"`mode` must be 'float8', got {mode!r}.")
-        if source_name not in ("mixed_bfloat16", "mixed_float16", "float32"):
-            raise ValueError("`source_name` must be one of ('mixed_bfloat16', "
-                             f"'mixed_float16', 'float32'), got {source_name!r}.")
-        if not isinstance(active, bool):
-            raise TypeError(f"`active` must be True or False, got {active!r}.")
-        self.recipe = Float8Recipe(margin, amax_history_length, amax_compute_algo)
-        super().__init__(mode, source_name, amax_history_length)
-        self.active = active
-
-    @property
-    def margin(self) -> int:
-        return self.recipe.margin
-
-    @property
-    def amax_compute_algo(self) -> str:
-        return self.recipe.amax_compute_algo
-
-    def switched(self, source_name: str, active: bool) -> Float8Policy:
-        """A copy computing in ``source_name``, active or not."""
-        return Float8Policy(source_name=source_name, active=active,
-                            **self.recipe.get_config())
-
-    def __eq__(self, other):
-        return isinstance(other, Float8Policy) and super().__eq__(other) \
-            and self.active == other.active and self.recipe == other.recipe
-
-    def __hash__(self):
-        return hash((self.name, self.active, self.recipe))
-
-    def get_config(self) -> dict[str, Any]:
-        config = super().get_config()
-        config.update({"active": self.active, "margin": self.margin,
-                       "amax_compute_algo": self.amax_compute_algo})
-        return config
-
-    def __repr__(self) -> str:
-        return f"<Float8Policy {self.name!r} active={self.active}>"
 
 
 def eligible(layer: keras.layers.Layer) -> bool:
@@ -254,19 +150,18 @@ def prepare(model: keras.Model, policy=None) -> list[keras.layers.Layer]:
         ValueError: if the model has no adaptive policy with float8 among
             its candidates.
     """
-    from keras_mp import policies  # policies imports this module
 
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
                         f"{type(model).__name__}.")
-    policy = policy if policy is not None else policies.policy_of(model)
-    if not isinstance(policy, policies.AdaptivePolicy) or "float8" not in policy.candidates:
+    policy = policy if policy is not None else policy_of(model)
+    if not isinstance(policy, AdaptivePolicy) or "float8" not in policy.candidates:
         raise ValueError("`model` must use a keras_mp.AdaptivePolicy with 'float8' among its "
                          "candidates (e.g. keras_mp.set_global_policy('adaptive_float8') "
                          f"before building it), got policy {policy!r}.")
     install()
     done = []
-    for layer in policies.adaptive_layers(model, policy):
+    for layer in adaptive_layers(model, policy):
         if is_float8_layer(layer) or not eligible(layer) or layer.path in policy.policies():
             continue
         dtype = policy.dtype_of(layer.path)
@@ -305,10 +200,9 @@ def release(layer: keras.layers.Layer) -> str:
         >>> release(layer), len(layer.weights), is_float8_layer(layer)
         ('bfloat16', 2, False)
     """
-    from keras_mp import policies
 
     if not is_float8_layer(layer):
-        raise ValueError(f"`layer` must be a float8-capable layer (see keras_mp.float8.prepare), "
+        raise ValueError(f"`layer` must be a float8-capable layer (see keras_mp.adaptive.float8.prepare), "
                          f"got {layer!r} with policy {_entry(layer)!r}.")
     policy = layer._dtype_policy
     dtype = _entry(layer).compute_dtype
@@ -319,7 +213,7 @@ def release(layer: keras.layers.Layer) -> str:
     finally:
         layer._tracker.lock()
     layer._is_quantized = False
-    if isinstance(policy, policies.AdaptivePolicy):
+    if isinstance(policy, AdaptivePolicy):
         policy.release_float8(layer.path, dtype)
     else:  # a layer handed its own Float8Policy
         layer._dtype_policy = keras.dtype_policies.get(_entry(layer)._source_name)

@@ -5,12 +5,12 @@ the steps where it does not look. :class:`Hooks` wraps, per instance, three
 callables that Keras looks up when it traces a step:
 
 * each controlled layer's ``call`` (``quantized_call`` for a float8-capable
-  layer, :mod:`keras_mp.float8`): on a statistics trace, records the
-  layer's forward statistics (:mod:`keras_mp.forward`) and the order in which
+  layer, :mod:`keras_mp.adaptive.float8`): on a statistics trace, records the
+  layer's forward statistics (:mod:`keras_mp.adaptive.forward`) and the order in which
   layers are called (the forward order, input first); a float8-capable
   layer's call also reports its float8 evidence, forward and backward;
 * the model's ``train_step``: on a probe trace, first runs the float32 probe
-  (:mod:`keras_mp.probe`) on the same batch, applying nothing;
+  (:mod:`keras_mp.adaptive.probe`) on the same batch, applying nothing;
 * the optimizer's ``apply``, where the optimizer is not a
   :class:`keras_mp.LossScaleOptimizer` (which has its own
   ``statistics_sink``): on a statistics trace, measures the gradients
@@ -26,7 +26,7 @@ serve gradients, forward statistics and the probe alike.
 
 Example (what a statistics trace records):
     >>> import keras, tensorflow as tf
-    >>> from keras_mp.hooks import Hooks
+    >>> from keras_mp.adaptive.hooks import Hooks
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3),
     ...                           keras.layers.ReLU()])
     >>> hooks = Hooks(model, model.layers)
@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 import keras
 import tensorflow as tf
 
-from keras_mp import float8, forward
+from keras_mp.adaptive import float8, forward
 from keras_mp.scaling import kernels
 
 __all__ = ["Hooks"]
@@ -75,7 +75,7 @@ class Hooks:
     Args:
         model: the Keras model.
         layers: the layers to observe, indexed as in
-            :class:`keras_mp.stats.LayerStatistics`.
+            :class:`keras_mp.adaptive.stats.LayerStatistics`.
 
     Attributes:
         forward: record forward statistics in the step being traced.

@@ -1,6 +1,6 @@
 """The adaptive controller's per-layer state as variables attached to a model.
 
-:class:`PrecisionState` holds what :func:`keras_mp.controller.decide`
+:class:`PrecisionState` holds what :func:`keras_mp.adaptive.controller.decide`
 remembers per layer (dtype, healthy intervals, cool-down, switches, strikes,
 trial) and the call counter, as int variables, so that ``save_weights``,
 ``ModelCheckpoint``, ``BackupAndRestore`` and ``tf.train.Checkpoint`` carry
@@ -13,11 +13,11 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from keras_mp import controller
+from keras_mp.adaptive import controller
 
 __all__ = ["STATE_FIELDS", "PrecisionState"]
 
-#: The :class:`keras_mp.controller.LayerState` fields, in table-row order.
+#: The :class:`keras_mp.adaptive.controller.LayerState` fields, in table-row order.
 STATE_FIELDS = ("dtype", "healthy", "cooldown", "switches", "strikes", "trial")
 
 

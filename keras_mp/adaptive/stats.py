@@ -22,10 +22,10 @@ weighted by tensor size, and averaged over steps and replicas):
 * ``fp16_underflow``, ``fp16_subnormal``, ``fp16_overflow``,
   ``bf16_subnormal``, ``zero``: as in :mod:`keras_mp.scaling.kernels`;
 * forward statistics of every observed layer, weights or not
-  (:mod:`keras_mp.forward`), taken from the model's :class:`keras_mp.hooks.Hooks`
+  (:mod:`keras_mp.adaptive.forward`), taken from the model's :class:`keras_mp.adaptive.hooks.Hooks`
   in the same call: amaxes are maxima, the others fractions of the steps in
   which the layer was observed;
-* the float32 probe's results (:mod:`keras_mp.probe`), averaged over the
+* the float32 probe's results (:mod:`keras_mp.adaptive.probe`), averaged over the
   valid probes of the interval.
 
 Gradients, forward statistics and probe results of one step agree across
@@ -33,7 +33,7 @@ replicas in one all-reduce.
 
 Example, as a custom loop would use it:
     >>> import keras, keras_mp, tensorflow as tf
-    >>> from keras_mp.stats import LayerStatistics
+    >>> from keras_mp.adaptive.stats import LayerStatistics
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     >>> stats = LayerStatistics(model.layers)
     >>> opt = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), schedule=1.0)
@@ -56,9 +56,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mp import forward
+from keras_mp.adaptive import forward
 from keras_mp.scaling import kernels
-from keras_mp.controller import LayerStats
+from keras_mp.adaptive.controller import LayerStats
 
 __all__ = ["FRACTIONS", "IntervalStats", "LayerStatistics", "agree", "learned_variables",
            "variable_path"]
@@ -98,7 +98,7 @@ class IntervalStats:
             were non-finite (the loss itself was).
         mean_scale: mean loss scale over the steps.
         paths: the layers' paths, in order.
-        layers: one :class:`keras_mp.controller.LayerStats` per layer.
+        layers: one :class:`keras_mp.adaptive.controller.LayerStats` per layer.
         probe_steps: valid probes in the interval.
         probe_loss_error: their mean loss relative error.
         probe_loss_noise_ratio: their mean loss error over sampling noise.
@@ -160,7 +160,7 @@ def _probe_rows(probe) -> tuple[tf.Tensor, tf.Tensor]:
 class LayerStatistics(keras.layers.Layer):
     """Accumulates per-layer statistics on device: the optimizer's gradient
     statistics, and the forward statistics and probe results that the
-    model's :class:`keras_mp.hooks.Hooks` recorded in the same step.
+    model's :class:`keras_mp.adaptive.hooks.Hooks` recorded in the same step.
 
     It is a Keras layer only so that its variables are saved and restored
     with the model it is attached to (a run resumed mid-interval keeps its
@@ -175,7 +175,7 @@ class LayerStatistics(keras.layers.Layer):
         name: the layer's name.
 
     Attributes:
-        hooks: the :class:`keras_mp.hooks.Hooks` whose recordings
+        hooks: the :class:`keras_mp.adaptive.hooks.Hooks` whose recordings
             :meth:`accumulate` takes, or None (gradients only).
     """
 
@@ -291,7 +291,7 @@ class LayerStatistics(keras.layers.Layer):
         self.probe_counters.assign_add(p_counts)
 
     def accumulate_probe(self, result) -> None:
-        """Adds one probe's results (a :class:`keras_mp.probe.ProbeResult`)
+        """Adds one probe's results (a :class:`keras_mp.adaptive.probe.ProbeResult`)
         outside a train step (custom loops); agrees across replicas."""
         counts, per_layer = agree([(t, "mean") for t in _probe_rows(result)])
         self.probe_sums.assign_add(per_layer)

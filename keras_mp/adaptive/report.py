@@ -25,7 +25,8 @@ from typing import Any
 
 import keras
 
-from keras_mp import policies
+from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.policy import AdaptivePolicy
 
 __all__ = ["COLUMNS", "PrecisionReport", "precision_report"]
 
@@ -169,8 +170,8 @@ def precision_report(model: keras.Model) -> PrecisionReport:
     """
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"`model` must be a Keras model or layer, got {model!r}.")
-    policy = policies.policy_of(model) if isinstance(model, keras.Model) else None
-    layers = policies.adaptive_layers(model, policy) if policy is not None \
+    policy = policy_of(model) if isinstance(model, keras.Model) else None
+    layers = adaptive_layers(model, policy) if policy is not None \
         else _computing_layers(model)
     records = [policy.record(layer.path) if policy is not None else {} for layer in layers]
     order = sorted(range(len(layers)), key=lambda i: (records[i].get("position", i), i))
@@ -195,5 +196,5 @@ def precision_report(model: keras.Model) -> PrecisionReport:
             "switches": int(state["switches"]) if state else 0,
             "history": [dict(h) for h in record.get("history", [])],
         })
-    name = policy.name if policy is not None else policies.global_policy().name
+    name = policy.name if policy is not None else keras.config.dtype_policy().name
     return PrecisionReport(name, policy.candidates if policy is not None else (), tuple(rows))

@@ -1,7 +1,7 @@
 """Forward statistics: what one layer's call did to the range of its dtype.
 
 On a statistics step every controlled layer's call is observed (see
-:mod:`keras_mp.hooks`): its floating inputs *as the layer received them*
+:mod:`keras_mp.adaptive.hooks`): its floating inputs *as the layer received them*
 (after Keras's cast to its compute dtype, so an input that overflowed in the
 cast arrives as inf) and its floating outputs. :func:`layer_statistics`
 reduces them to a few numbers, inside the traced step:
@@ -20,7 +20,7 @@ reduces them to a few numbers, inside the traced step:
                     normal number but not zero: precision lost to
                     subnormals (or to zero, on hardware that flushes them).
 ``f8_growth``,      float8 evidence of a float8-capable layer, recorded by
-``f8_saturated``,   :mod:`keras_mp.float8` (0 for other layers; see
+``f8_saturated``,   :mod:`keras_mp.adaptive.float8` (0 for other layers; see
 ``f8_flushed``      :func:`with_float8`).
 ==================  ==========================================================
 
@@ -29,7 +29,7 @@ observed steps in which it happened.
 
 Example:
     >>> import tensorflow as tf
-    >>> from keras_mp.forward import FIELDS, layer_statistics
+    >>> from keras_mp.adaptive.forward import FIELDS, layer_statistics
     >>> s = layer_statistics([tf.constant([1e5, 1.0])], [tf.constant([2.0, 1e-6])], "float16")
     >>> {f: round(float(v), 3) for f, v in zip(FIELDS, s) if not f.startswith("f8")}
     {'in_amax': 100000.0, 'out_amax': 2.0, 'in_range': 1.0, 'out_nonfinite': 0.0, \
@@ -57,7 +57,7 @@ FIELDS: tuple[str, ...] = ("in_amax", "out_amax", "f8_growth", "in_range", "out_
 MAX_FIELDS: tuple[str, ...] = ("in_amax", "out_amax", "f8_growth")
 #: The fractions of elements (two calls of a layer in one step average them).
 MEAN_FIELDS: tuple[str, ...] = ("out_flushed", "f8_saturated", "f8_flushed")
-#: The float8 evidence fields (see :mod:`keras_mp.float8`).
+#: The float8 evidence fields (see :mod:`keras_mp.adaptive.float8`).
 FLOAT8_FIELDS: tuple[str, ...] = ("f8_growth", "f8_saturated", "f8_flushed")
 #: An output within this factor of the dtype's largest finite value is near it.
 NEAR_MAX: float = 16.0

@@ -1,12 +1,12 @@
-"""keras_mp.controller.decide on synthetic statistics: promotion, attribution,
+"""keras_mp.adaptive.controller.decide on synthetic statistics: promotion, attribution,
 demotion, hysteresis, cool-down, caps, and bad input."""
 
 import dataclasses
 
 import pytest
 
-from keras_mp.controller import (DecisionRule, LayerState, LayerStats, Switch, decide,
-                                 sort_candidates)
+from keras_mp.adaptive.controller import (DecisionRule, LayerState, LayerStats, Switch, decide,
+                                          sort_candidates)
 
 F16 = ("float16", "float32")
 BF16 = ("bfloat16", "float32")

@@ -2,10 +2,10 @@
 (:class:`DecisionRule`), one layer's evidence over an interval
 (:class:`LayerStats`), what it remembers per layer (:class:`LayerState`) and
 its answer (:class:`Switch`, :class:`Decision`). The rule itself is
-:func:`keras_mp.controller.decide`, which re-exports these names.
+:func:`keras_mp.adaptive.controller.decide`, which re-exports these names.
 
 Example:
-    >>> from keras_mp.rule import DecisionRule, LayerState
+    >>> from keras_mp.adaptive.rule import DecisionRule, LayerState
     >>> DecisionRule(patience=4).patience, LayerState("bfloat16").healthy
     (4, 0)
 """
@@ -49,7 +49,7 @@ def sort_candidates(candidates: Sequence[str]) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class DecisionRule:
-    """The thresholds of :func:`keras_mp.controller.decide`.
+    """The thresholds of :func:`keras_mp.adaptive.controller.decide`.
 
     Args:
         max_nonfinite: fraction of an interval's steps with non-finite
@@ -152,11 +152,11 @@ class LayerStats:
             gradients.
         forward_steps: steps in which the layer's call was observed.
         in_amax, out_amax, in_range, out_nonfinite, out_near_max, out_flushed:
-            forward statistics (see :mod:`keras_mp.forward`): amaxes over the
+            forward statistics (see :mod:`keras_mp.adaptive.forward`): amaxes over the
             interval, the others fractions of the observed steps (the flushed
             fraction: of output elements, averaged).
         f8_growth, f8_saturated, f8_flushed: float8 evidence (see
-            :mod:`keras_mp.float8`): the largest amax growth over the
+            :mod:`keras_mp.adaptive.float8`): the largest amax growth over the
             history, and fractions of operand elements clipped / rounded to
             zero, averaged over the observed steps; measured as if in
             float8 while a float8-capable layer runs wider.

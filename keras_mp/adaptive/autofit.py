@@ -21,7 +21,7 @@ Example:
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
     >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
-    >>> type(keras_mp.autofit.callback_of(model)).__name__
+    >>> type(keras_mp.adaptive.autofit.callback_of(model)).__name__
     'AdaptivePrecision'
     >>> keras_mp.set_global_policy("float32")
 """
@@ -34,7 +34,8 @@ import warnings
 
 import keras
 
-from keras_mp import policies
+from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.policy import AdaptivePolicy
 
 __all__ = ["callback_of", "enabled", "install", "set_enabled"]
 
@@ -73,14 +74,14 @@ def _with_adaptive(model: keras.Model, callbacks):
         else list(callbacks or [])
     if any(isinstance(cb, AdaptivePrecision) for cb in given):
         return callbacks
-    if policies.policy_of(model) is None:
+    if policy_of(model) is None:
         return callbacks
     if not _state["enabled"]:
         if not _state["warned"]:
             _state["warned"] = True
             warnings.warn(
                 "keras_mp: this model uses an adaptive policy, but automatic adaptation is "
-                "off (keras_mp.autofit.set_enabled(False)) and no "
+                "off (keras_mp.adaptive.autofit.set_enabled(False)) and no "
                 "keras_mp.callbacks.AdaptivePrecision was passed to fit: its precisions stay "
                 "as they are. Pass callbacks=[keras_mp.callbacks.AdaptivePrecision()] to "
                 "adapt.", stacklevel=3)

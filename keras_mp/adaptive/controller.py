@@ -74,7 +74,7 @@ again. Promotion on trouble is never blocked (a diverging run is worse than a
 slow one); it moves towards float32, so it too is bounded.
 
 Example:
-    >>> from keras_mp.controller import LayerState, LayerStats, decide
+    >>> from keras_mp.adaptive.controller import LayerState, LayerStats, decide
     >>> d = decide([LayerStats(steps=10, nonfinite=1.0), LayerStats(steps=10, nonfinite=1.0)],
     ...            [LayerState("float16"), LayerState("float16")],
     ...            candidates=("float16", "float32"), all_nonfinite=1.0)
@@ -88,15 +88,15 @@ import dataclasses
 from collections.abc import Sequence
 
 from keras_mp import _checks as checks
-# The rule's inputs and outputs live in keras_mp.rule; re-exported here.
-from keras_mp.rule import (DTYPE_ORDER, Decision, DecisionRule, LayerState,  # noqa: F401
+# The rule's inputs and outputs live in keras_mp.adaptive.rule; re-exported here.
+from keras_mp.adaptive.rule import (DTYPE_ORDER, Decision, DecisionRule, LayerState,  # noqa: F401
                            LayerStats, Switch, sort_candidates)
 
 __all__ = ["decide"]
 
-#: The largest finite value of each candidate (see :mod:`keras_mp.forward`).
+#: The largest finite value of each candidate (see :mod:`keras_mp.adaptive.forward`).
 _DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028235e38}
-#: :data:`keras_mp.forward.NEAR_MAX`.
+#: :data:`keras_mp.adaptive.forward.NEAR_MAX`.
 _NEAR_MAX = 16.0
 
 
@@ -193,7 +193,7 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
         A :class:`Decision`.
 
     Example, a float32 layer demoted after its patience:
-        >>> from keras_mp.controller import DecisionRule, LayerState, LayerStats, decide
+        >>> from keras_mp.adaptive.controller import DecisionRule, LayerState, LayerStats, decide
         >>> rule = DecisionRule(patience=2, cooldown=0)
         >>> st = [LayerState("float32", strikes=0)]
         >>> for _ in range(2):

@@ -1,0 +1,38 @@
+"""Adaptive precision: each layer's compute dtype chosen from live evidence.
+
+How a decision is made, bottom up:
+
+* the policy: :mod:`~keras_mp.adaptive.policy` (:class:`AdaptivePolicy`, a
+  ``DTypePolicyMap`` whose entries the controller switches), its float8
+  entries (:mod:`~keras_mp.adaptive.float8_policy`), and the layers it
+  controls (:mod:`~keras_mp.adaptive.controlled_layers`);
+* evidence: forward statistics of every layer call
+  (:mod:`~keras_mp.adaptive.forward`), gradient statistics and their
+  on-device accumulation (:mod:`~keras_mp.adaptive.stats`), the float32
+  probe (:mod:`~keras_mp.adaptive.probe`), float8's own evidence
+  (:mod:`~keras_mp.adaptive.float8`), recorded through trace-time hooks
+  (:mod:`~keras_mp.adaptive.hooks`);
+* the rule: thresholds and records (:mod:`~keras_mp.adaptive.rule`) and the
+  pure decision (:mod:`~keras_mp.adaptive.controller`), applied by
+  :mod:`~keras_mp.adaptive.switching`;
+* during ``fit``: the callback (:mod:`~keras_mp.adaptive.callback`), added
+  by :mod:`~keras_mp.adaptive.autofit`, which sets up the optimizer
+  (:mod:`~keras_mp.adaptive.optimizer_setup`) and keeps its state in
+  checkpoints (:mod:`~keras_mp.adaptive.state`);
+* out: :mod:`~keras_mp.adaptive.report` and
+  :mod:`~keras_mp.adaptive.tensorboard`.
+
+Example:
+    >>> import keras_mp
+    >>> from keras_mp import adaptive
+    >>> adaptive.AdaptivePolicy(("float16", "float32")).candidates
+    ('float16', 'float32')
+"""
+
+from keras_mp.adaptive.callback import AdaptivePrecision
+from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.policy import AdaptivePolicy
+from keras_mp.adaptive.report import precision_report
+
+__all__ = ["AdaptivePolicy", "AdaptivePrecision", "adaptive_layers", "policy_of",
+           "precision_report"]

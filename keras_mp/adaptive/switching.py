@@ -1,0 +1,120 @@
+"""Applying a decision of :func:`keras_mp.adaptive.controller.decide` to the
+policy: composite layers take their sublayers along, each switch is assigned
+and recorded, and every controlled layer's record (state, statistics, probe
+errors, forward position) is written for the report and the ``.keras`` file.
+
+Example:
+    >>> import keras, keras_mp
+    >>> from keras_mp.adaptive import controlled_layers, switching
+    >>> keras_mp.set_global_policy("adaptive_float16")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> policy = controlled_layers.policy_of(model)
+    >>> layers = controlled_layers.adaptive_layers(model, policy)
+    >>> made = switching.apply(policy, [layers[0].path], layers,
+    ...                        [(0, "float16", "float32", "input_range")], calls=8)
+    >>> made[0]["new"], layers[0].compute_dtype
+    ('float32', 'float32')
+    >>> keras_mp.set_global_policy("float32")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from keras_mp.adaptive import controller
+from keras_mp.adaptive.policy import AdaptivePolicy
+from keras_mp.adaptive.stats import IntervalStats
+
+__all__ = ["refresh", "with_parents", "apply", "write_records"]
+
+#: A switch as the callback hands it on: (layer index, old dtype, new dtype, reason).
+Switch = tuple[int, str, str, str]
+
+
+def refresh(layer: keras.layers.Layer) -> None:
+    """Recomputes what a layer cached in its old compute dtype: Keras's
+    ``Normalization`` keeps its mean and variance as tensors cast when it was
+    adapted, so a variance of 1e10 cached in float16 stays inf after the layer
+    moves to float32 unless it is finalized again."""
+    if not isinstance(layer, keras.layers.Layer):
+        raise TypeError(f"`layer` must be a Keras layer, got {layer!r}.")
+    finalize = getattr(layer, "finalize_state", None)
+    if layer.built and callable(finalize):
+        finalize()
+
+
+def _check_policy(policy) -> None:
+    if not isinstance(policy, AdaptivePolicy):
+        raise TypeError(f"`policy` must be a keras_mp.AdaptivePolicy, got {policy!r}.")
+
+
+def with_parents(policy: AdaptivePolicy, paths: Sequence[str], switches: Sequence[Switch],
+                 states: list[controller.LayerState]) -> list[Switch]:
+    """The extra switches of sublayers whose composite layer is promoted.
+
+    A composite layer (``MultiHeadAttention``, a block) promoted takes its
+    sublayers along: its computation runs in theirs too (the attention scores
+    come out of the query and key projections). ``states`` is updated in
+    place for the sublayers moved.
+    """
+    _check_policy(policy)
+    rank = policy.candidates.index
+    extra: list[Switch] = []
+    for k, old, dtype, _reason in switches:
+        if rank(dtype) < rank(old):
+            continue
+        prefix = paths[k] + "/"
+        for j, path in enumerate(paths):
+            st = states[j]
+            if path.startswith(prefix) and rank(st.dtype) < rank(dtype):
+                extra.append((j, st.dtype, dtype, "with_parent"))
+                states[j] = controller.LayerState(
+                    dtype, cooldown=policy.rule.cooldown, switches=st.switches + 1,
+                    strikes=st.strikes + 1)
+    return extra
+
+
+def apply(policy: AdaptivePolicy, paths: Sequence[str], layers: Sequence[keras.layers.Layer],
+          switches: Sequence[Switch], calls: int, *, verbose: int = 0) -> list[dict[str, Any]]:
+    """Assigns each switch in ``policy``, refreshes the layer and appends it
+    to the layer's history; returns the events (``step``, ``layer``, ``old``,
+    ``new``, ``reason``)."""
+    _check_policy(policy)
+    made = []
+    for k, old, dtype, reason in switches:
+        path = paths[k]
+        policy.assign(path, dtype)
+        refresh(layers[k])
+        event = {"step": calls, "layer": path, "old": old, "new": dtype, "reason": reason}
+        policy.record(path).setdefault("history", []).append(
+            {key: v for key, v in event.items() if key != "layer"})
+        made.append(event)
+        if verbose:
+            print(f"keras_mp: {path}: {old} -> {dtype} ({reason}) at call {calls}")
+    return made
+
+
+def write_records(policy: AdaptivePolicy, paths: Sequence[str],
+                  states: Sequence[controller.LayerState], interval: IntervalStats,
+                  order: Sequence[int]) -> None:
+    """Each layer's record: controller state, the interval's statistics, the
+    probe's errors (where probed) and its position in forward order."""
+    _check_policy(policy)
+    rule = policy.rule
+    for path, state, stats in zip(paths, states, interval.layers):
+        record = policy.record(path)
+        record["state"] = state.get_config()
+        record["stats"] = dict(vars(stats))
+        if stats.probe_steps:
+            record["probe"] = {
+                "loss_error": interval.probe_loss_error,
+                "loss_noise_ratio": interval.probe_loss_noise_ratio,
+                "grad_error": stats.grad_error, "cosine": stats.cosine,
+                "grad_noise_ratio": stats.grad_noise_ratio,
+                "sensitive": stats.grad_error > rule.max_probe_grad_error
+                and stats.grad_noise_ratio > rule.max_probe_noise_ratio}
+    for position, i in enumerate(order):
+        policy.record(paths[i])["position"] = position
