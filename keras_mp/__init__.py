@@ -1,29 +1,35 @@
 """keras-mp: mixed-precision training for Keras 3 on TensorFlow.
 
-The public API, re-exported explicitly; each name lives in the module named
-for its concept. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets``
-(TFDS) are imported on their own, since their dependencies are extras.
+The public API, re-exported explicitly; each name lives in the subpackage of
+its concept (docs/architecture.md): :mod:`keras_mp.device`,
+:mod:`keras_mp.scaling`, :mod:`keras_mp.fused`, :mod:`keras_mp.execution`,
+:mod:`keras_mp.adaptive`, :mod:`keras_mp.deploy`, :mod:`keras_mp.cli`.
+The module names of earlier releases (``keras_mp.hooks``, ``keras_mp.xla``,
+``keras_mp.loss_scale``, ...) stay bound here to the modules that hold them
+now. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets`` (TFDS) are
+imported on their own, since their dependencies are extras.
 """
 
 from keras_mp import _backend  # noqa: F401  (selects/validates the backend first)
-from keras_mp.adaptive import (autofit, controller, forward, hooks, state as precision_state,
-                               probe, report, stats)
-from keras_mp import callbacks, device, distribute, execution, export, policies, quantization
+from keras_mp import (adaptive, callbacks, deploy, device, distribute, execution, fused, policies,
+                      scaling)
+from keras_mp._version import __version__
+from keras_mp.adaptive import autofit, controller, forward, hooks, probe, report, stats
+from keras_mp.adaptive import state as precision_state
+from keras_mp.adaptive.report import precision_report
+from keras_mp.deploy import export, quantization
+from keras_mp.deploy.quantization import quantize
+from keras_mp.device import xla
+from keras_mp.device.xla import set_xla, uses_xla
+from keras_mp.distribute import patch_multi_worker
 from keras_mp.execution import fused_update
 from keras_mp.fused import layers, ops
-from keras_mp.scaling import kernels, loss_scale
-from keras_mp.device import xla
-from keras_mp.distribute import patch_multi_worker
 from keras_mp.fused.fuse import fuse
+from keras_mp.policies import AdaptivePolicy, global_policy, policy_scope, set_global_policy
+from keras_mp.scaling import kernels, loss_scale
 from keras_mp.scaling.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
                                          PiecewiseInterval)
 from keras_mp.scaling.optimizer import LossScaleOptimizer
-from keras_mp.policies import AdaptivePolicy, global_policy, policy_scope, set_global_policy
-from keras_mp.quantization import quantize
-from keras_mp.adaptive.report import precision_report
-from keras_mp.device.xla import set_xla, uses_xla
-
-__version__ = "0.1.0"
 
 # Keras 3.5-3.15's model.fit fails under a multi-worker
 # MultiWorkerMirroredStrategy (see keras_mp.distribute). The fix acts only in
@@ -32,7 +38,7 @@ patch_multi_worker()
 # fit adds an AdaptivePrecision to models built under an adaptive policy.
 autofit.install()
 # Keras's model.quantize reads a DTypePolicyMap's name as a layer's policy
-# name; the fix hands each layer its own entry (see keras_mp.quantization).
+# name; the fix hands each layer its own entry (see keras_mp.deploy.quantization).
 quantization.patch_quantize()
 
 __all__ = [
@@ -42,15 +48,18 @@ __all__ = [
     "LossScaleOptimizer",
     "LossScaleSchedule",
     "PiecewiseInterval",
+    "adaptive",
     "autofit",
     "callbacks",
     "controller",
+    "deploy",
     "device",
     "distribute",
     "execution",
     "export",
     "forward",
     "fuse",
+    "fused",
     "fused_update",
     "global_policy",
     "hooks",
@@ -67,6 +76,7 @@ __all__ = [
     "quantization",
     "quantize",
     "report",
+    "scaling",
     "set_global_policy",
     "set_xla",
     "stats",

@@ -23,19 +23,25 @@ import keras_mp
 from keras_mp.adaptive import (autofit, controller, float8, forward, hooks, optimizer_setup,
                                state as precision_state, probe, report, stats, switching,
                                tensorboard)
-from keras_mp import (callbacks, datasets, deploy_demo, device, distribute, execution, export,
-                      policies, quantization, tuning)
+from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
+from keras_mp.cli import deploy_demo
+from keras_mp.deploy import export, quantization
 from keras_mp.execution import fused_update, step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.scaling import kernels, loss_scale, optimizer
 from keras_mp.device import xla
 from keras_mp.fused.fuse import fuse as fuse_model
 
-MODULES = ["adaptive.policy", "adaptive.autofit", "callbacks", "cli", "adaptive.controller", "datasets", "demo",
-           "deploy_demo", "device", "device.capabilities", "device.xla", "distribute", "execution", "export", "adaptive.float8", "adaptive.forward",
-           "fused", "fused.fuse", "execution.fused_update", "adaptive.hooks", "scaling.kernels", "fused.layers", "scaling.loss_scale", "fused.ops", "scaling.optimizer", "policies",
-           "adaptive.optimizer_setup", "adaptive.state", "adaptive.probe", "quantization", "adaptive.report", "adaptive.rule", "scaling",
-           "adaptive.stats", "adaptive.switching", "adaptive.controlled_layers", "adaptive.float8_policy", "execution.step_trial", "adaptive.tensorboard", "tuning"]
+MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adaptive.controller",
+           "adaptive.float8", "adaptive.float8_policy", "adaptive.forward", "adaptive.hooks",
+           "adaptive.optimizer_setup", "adaptive.policy", "adaptive.probe", "adaptive.report",
+           "adaptive.rule", "adaptive.state", "adaptive.stats", "adaptive.switching",
+           "adaptive.tensorboard", "callbacks", "cli", "cli.command", "cli.demo",
+           "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
+           "device", "device.capabilities", "device.xla", "distribute", "execution",
+           "execution.fused_update", "execution.step_trial", "fused", "fused.fuse", "fused.layers",
+           "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.loss_scale",
+           "scaling.optimizer", "tuning"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -47,12 +53,12 @@ NO_ARGUMENTS = {
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
     "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
-    "quantization.patch_quantize", "quantization.unpatch_quantize",
+    "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
 }
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
     "adaptive.rule.Switch", "adaptive.rule.Decision", "adaptive.rule.LayerStats",
-    "datasets.Loaded", "demo.DemoResult", "demo.DemoRun", "device.capabilities.DeviceProfile",
+    "datasets.Loaded", "cli.demo.DemoResult", "cli.demo.DemoRun", "device.capabilities.DeviceProfile",
     "scaling.kernels.GradientStatistics", "adaptive.probe.ProbeResult",
     "adaptive.report.PrecisionReport", "adaptive.stats.IntervalStats", "device.xla.Kind",
     "execution.ExecutionProfile", "execution.step_trial.Record",
@@ -108,7 +114,7 @@ CASES = [
      "`policy`"),
     ("adaptive.probe.probe", lambda: probe.probe("model", (x2, x2), None, []), TypeError, "`model`"),
     # cli
-    ("cli.main", lambda: importlib.import_module("keras_mp.cli").main(["--no-such-flag"]),
+    ("cli.command.main", lambda: importlib.import_module("keras_mp.cli").main(["--no-such-flag"]),
      SystemExit, None),
     # controller
     ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(max_nonfinite=1.5), ValueError,
@@ -151,11 +157,11 @@ CASES = [
     ("datasets.load", lambda: datasets.load(batch_size=0), ValueError, "`batch_size`"),
     ("datasets.prepare_digits", lambda: datasets.prepare_digits(3), TypeError, "`data_dir`"),
     # demo
-    ("demo.run_demo", lambda: importlib.import_module("keras_mp.demo").run_demo(verbose=2),
+    ("cli.demo.run_demo", lambda: importlib.import_module("keras_mp.cli.demo").run_demo(verbose=2),
      ValueError, "`verbose`"),
-    ("demo.run_demo", lambda: importlib.import_module("keras_mp.demo").run_demo(batch_size=0),
+    ("cli.demo.run_demo", lambda: importlib.import_module("keras_mp.cli.demo").run_demo(batch_size=0),
      ValueError, "`batch_size`"),
-    ("demo.run_demo", lambda: importlib.import_module("keras_mp.demo").run_demo(epochs=0),
+    ("cli.demo.run_demo", lambda: importlib.import_module("keras_mp.cli.demo").run_demo(epochs=0),
      ValueError, "`epochs`"),
     # device
     ("device.capabilities.profile", lambda: device.profile("QPU"), ValueError, "`device_type`"),
@@ -329,28 +335,28 @@ CASES = [
     ("device.xla.jit", lambda: xla.jit("conv"), ValueError, "`kind`"),
     ("device.xla.xla_available", lambda: xla.xla_available("QPU"), ValueError, "`device_type`"),
     # quantization, export, deploy_demo
-    ("quantization.plan", lambda: quantization.plan(_model(), "int2"), ValueError, "`mode`"),
-    ("quantization.plan", lambda: quantization.plan("model"), TypeError, "`model`"),
-    ("quantization.quantize", lambda: quantization.quantize(_model(), keep="dense"), TypeError,
+    ("deploy.quantization.plan", lambda: quantization.plan(_model(), "int2"), ValueError, "`mode`"),
+    ("deploy.quantization.plan", lambda: quantization.plan("model"), TypeError, "`model`"),
+    ("deploy.quantization.quantize", lambda: quantization.quantize(_model(), keep="dense"), TypeError,
      "`keep`"),
-    ("quantization.quantize", lambda: quantization.quantize(_model(), "gptq"), ValueError,
+    ("deploy.quantization.quantize", lambda: quantization.quantize(_model(), "gptq"), ValueError,
      "`config`"),
-    ("quantization.quantizable", lambda: quantization.quantizable(
+    ("deploy.quantization.quantizable", lambda: quantization.quantizable(
         keras.layers.Dense(2), "int3"), ValueError, "`mode`"),
-    ("export.export", lambda: export.export(_model(), "/tmp/x", "onnx"), ValueError, "`format`"),
-    ("export.export", lambda: export.export(_model(), "/tmp/x", weights="int8"), ValueError,
+    ("deploy.export.export", lambda: export.export(_model(), "/tmp/x", "onnx"), ValueError, "`format`"),
+    ("deploy.export.export", lambda: export.export(_model(), "/tmp/x", weights="int8"), ValueError,
      "`weights`"),
-    ("export.export", lambda: export.export(_model(), 3), TypeError, "`path`"),
-    ("export.float32_copy", lambda: export.float32_copy("m"), TypeError, "`model`"),
+    ("deploy.export.export", lambda: export.export(_model(), 3), TypeError, "`path`"),
+    ("deploy.export.float32_copy", lambda: export.float32_copy("m"), TypeError, "`model`"),
     ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(policies=3), TypeError,
      "`policies`"),
-    ("deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(0), ValueError, "`n`"),
-    ("deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(4, fraction=2), ValueError,
+    ("cli.deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(0), ValueError, "`n`"),
+    ("cli.deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(4, fraction=2), ValueError,
      "`fraction`"),
-    ("deploy_demo.sentinel_model", lambda: deploy_demo.sentinel_model("fp7"), ValueError,
+    ("cli.deploy_demo.sentinel_model", lambda: deploy_demo.sentinel_model("fp7"), ValueError,
      "`policy`"),
-    ("deploy_demo.train", lambda: deploy_demo.train(epochs=0), ValueError, "`epochs`"),
-    ("deploy_demo.compare", lambda: deploy_demo.compare("m"), TypeError, "`model`"),
+    ("cli.deploy_demo.train", lambda: deploy_demo.train(epochs=0), ValueError, "`epochs`"),
+    ("cli.deploy_demo.compare", lambda: deploy_demo.compare("m"), TypeError, "`model`"),
     ("device.xla.set_measured_default", lambda: xla.set_measured_default("conv", "CPU", True),
      ValueError, "`kind`"),
     ("device.xla.set_measured_default", lambda: xla.set_measured_default("matmul", "CPU", 1),

@@ -26,8 +26,11 @@ def expected():
 def test_file_saved_before_the_layout_loads_predicts_and_trains(name, expected):
     model = keras.saving.load_model(HERE / f"{name}.keras")
     x = expected[f"{name}/x"]
-    np.testing.assert_allclose(np.asarray(model.predict(x, verbose=0), "float32"), expected[f"{name}/y"],
-                               rtol=1e-5, atol=1e-6)
+    # Within two units in the last place of the output's 16-bit dtype: which
+    # kernels compute it (XLA or TensorFlow) is measured per process.
+    y = expected[f"{name}/y"]
+    np.testing.assert_allclose(np.asarray(model.predict(x, verbose=0), "float32"), y,
+                               rtol=0, atol=2 * 2.0 ** -7 * np.abs(y).max())
     assert [f"{layer.name}:{layer.compute_dtype}" for layer in model.layers
          if not isinstance(layer, keras.layers.InputLayer)] == \
         list(expected[f"{name}/dtypes"])

@@ -128,7 +128,7 @@ def _keras_mp_commands(code: str) -> list[list[str]]:
 
 
 def test_keras_mp_commands_in_shell_blocks_parse():
-    from keras_mp import cli
+    from keras_mp.cli import command as cli
 
     assert _keras_mp_commands("pip install . && keras-mp demo  # c\nkeras-mp info") == [
         ["demo"], ["info"]]

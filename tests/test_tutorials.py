@@ -28,7 +28,7 @@ EXPECTED = {
                             r"float16->float32@\d+ \(fp16_subnormal\)", r"image/png"],
     "02_loss_scale_schedules.ipynb": [r"too high, halve \(2\^24\)\s+skipped\s+[1-9]",
                                       r"best schedule: DynamicLossScale\(", r"image/png"],
-    "03_fused_kernels_and_xla.ipynb": [r"keras_mp\.layers\.Dense",
+    "03_fused_kernels_and_xla.ipynb": [r"keras_mp\.fused\.layers\.Dense",
                                        r"max \|plain - fused\| = \d\.\d+e-0[5-9]",
                                        r"fused mixed_bfloat16\s+\d"],
     "04_custom_loops_and_distribute.ipynb": [r"replicas: 2", r"skipped steps: 0 -> 1",

@@ -34,8 +34,8 @@ import warnings
 
 import keras
 
-from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
-from keras_mp.adaptive.policy import AdaptivePolicy
+from keras_mp.adaptive.callback import AdaptivePrecision
+from keras_mp.adaptive.controlled_layers import policy_of
 
 __all__ = ["callback_of", "enabled", "install", "set_enabled"]
 
@@ -68,7 +68,6 @@ def callback_of(model: keras.Model):
 
 
 def _with_adaptive(model: keras.Model, callbacks):
-    from keras_mp.callbacks import AdaptivePrecision  # callbacks imports much; late
 
     given = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) \
         else list(callbacks or [])

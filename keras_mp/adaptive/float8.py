@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import keras
 import tensorflow as tf
@@ -169,7 +168,7 @@ def prepare(model: keras.Model, policy=None) -> list[keras.layers.Layer]:
         # assigned a wider dtype keeps it.
         policy.set_float8(layer.path, "float8" if dtype == policy.float_candidates[0] else dtype)
         layer.quantize("float8")  # keeps the entry: it is already a float8 policy
-        # keras_mp.quantization hands a quantized layer its own entry; this
+        # keras_mp.deploy.quantization hands a quantized layer its own entry; this
         # one stays switchable, so it looks itself up in the map again.
         layer._dtype_policy = policy
         done.append(layer)

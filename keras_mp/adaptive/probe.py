@@ -42,8 +42,8 @@ Example:
     >>> keras_mp.set_global_policy("adaptive_bfloat16")
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
-    >>> policy = policy_of(model)
-    >>> layers = adaptive_layers(model, policy)
+    >>> policy = policies.policy_of(model)
+    >>> layers = policies.adaptive_layers(model, policy)
     >>> x = tf.ones([8, 4]); y = 1000.0 + tf.zeros([8, 1])
     >>> r = tf.function(lambda: probe.probe(model, (x, y), policy, layers))()
     >>> float(r.valid), float(r.loss_error) >= 0.0, r.grad_error.shape.as_list()
@@ -59,7 +59,6 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.policy import AdaptivePolicy
 from keras_mp.adaptive.stats import learned_variables, variable_path
 

@@ -26,7 +26,6 @@ from typing import Any
 import keras
 
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
-from keras_mp.adaptive.policy import AdaptivePolicy
 
 __all__ = ["COLUMNS", "PrecisionReport", "precision_report"]
 

@@ -11,7 +11,7 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from keras_mp.demo import run_demo
+    from keras_mp.cli.demo import run_demo
 
     result = run_demo(epochs=args.epochs, batch_size=args.batch_size, out_dir=args.out,
                       verbose=0 if args.quiet else 1)
@@ -36,15 +36,16 @@ def _info(args: argparse.Namespace) -> int:
     import keras
     import tensorflow as tf
 
-    import keras_mp
     from keras_mp import device
+    from keras_mp._version import __version__
+    from keras_mp.device.xla import uses_xla
 
     prof = device.profile()
     gpus = tf.config.list_physical_devices("GPU")
     tpus = tf.config.list_logical_devices("TPU")
     flags = ", ".join(sorted(prof.flags)) or "none of amx_bf16/avx512_bf16/amx_fp16/avx512_fp16"
     lines = [
-        f"keras-mp {keras_mp.__version__}, Keras {keras.__version__}, "
+        f"keras-mp {__version__}, Keras {keras.__version__}, "
         f"TensorFlow {tf.__version__}",
         f"CPU: {_cpu_name()} ({os.cpu_count()} cores); low-precision flags: {flags}",
         f"GPUs: {', '.join(g.name for g in gpus) or 'none'}; TPUs: "
@@ -65,8 +66,8 @@ def _info(args: argparse.Namespace) -> int:
     lines += ["", f"Fast low-precision dtypes here: {fast}", f8,
               f"'adaptive' would choose among: {', '.join(device.default_candidates())}"]
     lines += _execution_lines(prof.device_type)
-    lines.append(f"XLA for fused elementwise work now: {keras_mp.uses_xla('elementwise')}; "
-                 f"for fused layers' matmuls now: {keras_mp.uses_xla('matmul')}")
+    lines.append(f"XLA for fused elementwise work now: {uses_xla('elementwise')}; "
+                 f"for fused layers' matmuls now: {uses_xla('matmul')}")
     print("\n".join(lines))
     return 0
 
@@ -124,7 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import keras
 
-    from keras_mp import export
+    from keras_mp.deploy import export
 
     model = keras.saving.load_model(args.model, compile=False)
     weights = None if args.weights == "float32" else args.weights
@@ -193,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     exp = sub.add_parser(
         "export", help="write a .keras model as a SavedModel or a LiteRT file",
         description="Loads MODEL.keras (adaptive, fused or quantized) and writes it for "
-                    "serving with keras_mp.export.export: a SavedModel folder or a .tflite "
+                    "serving with keras_mp.deploy.export.export: a SavedModel folder or a .tflite "
                     "file, with float32 inputs and outputs.")
     exp.add_argument("model", help="the .keras file")
     exp.add_argument("out", help="the SavedModel folder or .tflite file to write")

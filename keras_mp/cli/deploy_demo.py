@@ -24,7 +24,7 @@ while the guided version (``keras_mp.quantize(model, "int8")``) keeps the
 promoted first layer in float and quantizes the rest.
 
 Example:
-    >>> from keras_mp import deploy_demo
+    >>> from keras_mp.cli import deploy_demo
     >>> x, y = deploy_demo.sentinel_data(4, seed=0)
     >>> x.shape, y.shape, float(x[:, 0].min())
     ((4, 32), (4, 1), 70000.0)
@@ -39,7 +39,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_mp import callbacks, policies, quantization
+from keras_mp import callbacks, policies
+from keras_mp.deploy import quantization
 
 __all__ = ["SENTINEL", "sentinel_data", "sentinel_model", "train", "compare"]
 

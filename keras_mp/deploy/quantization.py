@@ -50,7 +50,8 @@ import keras
 from keras.src.dtype_policies import QUANTIZATION_MODES  # no public name
 
 from keras_mp.adaptive import float8
-from keras_mp.policies import AdaptivePolicy, policy_of
+from keras_mp.adaptive.controlled_layers import policy_of
+from keras_mp.adaptive.policy import AdaptivePolicy
 
 __all__ = ["MODES", "patch_quantize", "plan", "quantize", "quantizable"]
 
@@ -218,7 +219,7 @@ def plan(model: keras.Model, mode: str = "int8", *,
         >>> policy = keras_mp.policies.policy_of(model)
         >>> policy.record(model.layers[0].path)["history"] = [
         ...     {"step": 3, "old": "bfloat16", "new": "float32", "reason": "overflow"}]
-        >>> sorted(keras_mp.quantization.plan(model, "int8", keep=["head"]).values())
+        >>> sorted(keras_mp.deploy.quantization.plan(model, "int8", keep=["head"]).values())
         ['keep', 'promoted']
     """
     if not isinstance(model, keras.layers.Layer):

@@ -23,7 +23,7 @@ Example:
     >>> with keras_mp.policy_scope("adaptive_bfloat16"):
     ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     >>> path = os.path.join(tempfile.mkdtemp(), "served")
-    >>> keras_mp.export.export(model, path)
+    >>> keras_mp.deploy.export.export(model, path)
     >>> served = tf.saved_model.load(path)
     >>> served.serve(np.ones((1, 4), "float32")).dtype.name
     'float32'

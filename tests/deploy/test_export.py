@@ -1,4 +1,4 @@
-"""keras_mp.export and `keras-mp export`: SavedModel and LiteRT artifacts of
+"""keras_mp.deploy.export and `keras-mp export`: SavedModel and LiteRT artifacts of
 adaptive, fused and quantized models, reloaded in a fresh process."""
 
 import os
@@ -12,7 +12,7 @@ import pytest
 
 import keras_mp
 from keras_mp import cli
-from keras_mp.export import export, float32_copy
+from keras_mp.deploy.export import export, float32_copy
 
 _X = np.random.default_rng(0).normal(size=(5, 6)).astype("float32")
 

@@ -1,4 +1,4 @@
-"""Keras quantization on keras-mp models (keras_mp.quantization): every Keras
+"""Keras quantization on keras-mp models (keras_mp.deploy.quantization): every Keras
 mode on adaptive and fused models, save/load, AdaptivePolicy entries, and
 quantization guided by adaptive training."""
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import keras_mp
-from keras_mp import quantization
+from keras_mp.deploy import quantization
 from keras_mp.policies import AdaptivePolicy, policy_of
 
 
@@ -139,9 +139,9 @@ def test_plan_reads_history_strikes_probe_and_keep():
 
 
 def test_guided_quantization_keeps_what_adaptive_training_promoted(tmp_path):
-    """The demonstration (keras_mp.deploy_demo): quantizing everything loses
+    """The demonstration (keras_mp.cli.deploy_demo): quantizing everything loses
     >= 2 points, the guided version stays within 0.5 point of the float model."""
-    from keras_mp import deploy_demo
+    from keras_mp.cli import deploy_demo
 
     model, callback = deploy_demo.train()
     promoted = [e for e in callback.events if e["new"] == "float32"]
