@@ -1,5 +1,5 @@
 """Training step of a 2-block Transformer: plain Keras float32, plain Keras
-mixed_bfloat16, and mixed_bfloat16 after :func:`keras_mp.fused.fuse.fuse`.
+mixed_bfloat16, and mixed_bfloat16 after :func:`keras_mp.fuse`.
 
 Run from the repository root::
 

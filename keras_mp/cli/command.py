@@ -129,9 +129,16 @@ def _export(args: argparse.Namespace) -> int:
 
     model = keras.saving.load_model(args.model, compile=False)
     weights = None if args.weights == "float32" else args.weights
-    export.export(model, args.out, args.format, output_dtype=args.output_dtype, weights=weights)
+    extra = {}
+    if args.format == "onnx":
+        extra = {"compute_dtype": args.compute_dtype or "float32", "opset": args.opset}
+    elif args.compute_dtype is not None or args.opset is not None:
+        raise ValueError("--compute-dtype and --opset apply to --format onnx only.")
+    export.export(model, args.out, args.format, output_dtype=args.output_dtype, weights=weights,
+                  **extra)
+    compute = f", {extra['compute_dtype']} compute" if extra else ""
     print(f"Wrote {args.out} ({args.format}, float32 inputs, "
-          f"{'float32' if args.format == 'litert' else args.output_dtype} outputs)")
+          f"{'float32' if args.format == 'litert' else args.output_dtype} outputs{compute})")
     return 0
 
 
@@ -192,19 +199,26 @@ def _parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     exp = sub.add_parser(
-        "export", help="write a .keras model as a SavedModel or a LiteRT file",
+        "export", help="write a .keras model as a SavedModel, a LiteRT or an ONNX file",
         description="Loads MODEL.keras (adaptive, fused or quantized) and writes it for "
-                    "serving with keras_mp.deploy.export.export: a SavedModel folder or a .tflite "
-                    "file, with float32 inputs and outputs.")
+                    "serving with keras_mp.deploy.export.export: a SavedModel folder, a .tflite "
+                    "file or a .onnx file (needs keras-mp[onnx]), with float32 inputs and "
+                    "outputs.")
     exp.add_argument("model", help="the .keras file")
-    exp.add_argument("out", help="the SavedModel folder or .tflite file to write")
-    exp.add_argument("--format", default="tf_saved_model", choices=["tf_saved_model", "litert"],
+    exp.add_argument("out", help="the SavedModel folder, .tflite or .onnx file to write")
+    exp.add_argument("--format", default="tf_saved_model",
+                     choices=["tf_saved_model", "litert", "onnx"],
                      help="(default: %(default)s)")
     exp.add_argument("--weights", default="float32", choices=["float32", "float16", "int8"],
                      help="LiteRT weight storage (default: %(default)s)")
     exp.add_argument("--output-dtype", default="float32", choices=["float32", "compute"],
                      help="SavedModel outputs: float32, or the model's own dtype "
                           "(default: %(default)s)")
+    exp.add_argument("--compute-dtype", default=None, choices=["float32", "float16"],
+                     help="ONNX compute dtype; float32 layers of a mixed model stay "
+                          "float32 (default: float32)")
+    exp.add_argument("--opset", type=int, default=None,
+                     help="ONNX opset, 13 to 18 (default: tf2onnx's, 15)")
     exp.set_defaults(func=_export)
     # Read by keras_mp._backend before TensorFlow loads; accepted before or
     # after the command.

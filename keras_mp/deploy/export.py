@@ -1,4 +1,4 @@
-"""Exporting keras-mp models for serving: SavedModel and LiteRT (TFLite).
+"""Exporting keras-mp models for serving: SavedModel, LiteRT (TFLite) and ONNX.
 
 Keras's own ``model.export(path)`` works on adaptive, fused and quantized
 keras-mp models and writes a SavedModel whose outputs have the dtype of the
@@ -17,6 +17,18 @@ last layer's computation (``bfloat16`` for an adaptive_bfloat16 model).
   ``weights="int8"`` (dynamic-range int8). Inputs and outputs are float32.
   A Keras-quantized model is refused with a clear error: export its float
   model with ``weights="int8"`` instead.
+* ``format="onnx"``: a ``.onnx`` file (tf2onnx, checked by loading and
+  running it in onnxruntime) computed in ``compute_dtype="float32"``
+  (default) or ``"float16"`` (TensorRT-style serving; layers the model
+  computes in float32 stay float32), float32 inputs (integer inputs keep
+  their dtype) and float32 outputs. bfloat16 layers are served in the chosen
+  dtype (tf2onnx 1.17 writes TensorFlow's bfloat16 as ONNX float16, a file
+  onnxruntime refuses); exact GELU's ``Erfc`` (no ONNX op) becomes
+  ``1 - Erf``; fused layers are served as their Keras counterparts; int8
+  layers keep their int8 kernels (``MatMulInteger``), dequantized in
+  float32 (tf2onnx folds int4 kernels into float32 constants); float8 layers
+  (a training-time quantize-dequantize) are served as float layers.
+  Needs the ``onnx`` extra: ``pip install "keras-mp[onnx]"``.
 
 Example:
     >>> import os, tempfile, keras, numpy as np, tensorflow as tf, keras_mp
@@ -31,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -38,16 +51,21 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["FORMATS", "WEIGHTS", "export", "float32_copy"]
+__all__ = ["COMPUTE_DTYPES", "FORMATS", "WEIGHTS", "export", "float32_copy", "serving_copy"]
 
 #: The formats :func:`export` writes without a GPU.
-FORMATS: tuple[str, ...] = ("tf_saved_model", "litert")
+FORMATS: tuple[str, ...] = ("tf_saved_model", "litert", "onnx")
 #: LiteRT weight storage: None (float32), "float16", "int8" (dynamic range).
 WEIGHTS: tuple[str | None, ...] = (None, "float16", "int8")
+#: ONNX compute dtypes (``compute_dtype``); the other formats take None.
+COMPUTE_DTYPES: tuple[str, ...] = ("float32", "float16")
 _OUTPUT_DTYPES = ("float32", "compute")
+#: The ONNX opsets accepted (tf2onnx 1.17 writes up to 18; its default: 15).
+_OPSETS = range(13, 19)
 
 
-def _check(model: Any, path: Any, format: Any, output_dtype: Any, weights: Any) -> None:
+def _check(model: Any, path: Any, format: Any, output_dtype: Any, weights: Any,
+           compute_dtype: Any = None, opset: Any = None) -> None:
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
                         f"{type(model).__name__}.")
@@ -64,16 +82,33 @@ def _check(model: Any, path: Any, format: Any, output_dtype: Any, weights: Any) 
         raise ValueError(f"`weights` must be one of {WEIGHTS}, got {weights!r}.")
     if weights is not None and format != "litert":
         raise ValueError(f"`weights`={weights!r} applies to format='litert' only (a "
-                         "SavedModel keeps the model's own weights; quantize the model "
-                         "with keras_mp.quantize or model.quantize first).")
+                         "SavedModel or ONNX file keeps the model's own weights; quantize "
+                         "the model with keras_mp.quantize or model.quantize first).")
+    if format == "onnx":
+        if compute_dtype not in (None, *COMPUTE_DTYPES):
+            raise ValueError(f"`compute_dtype` must be one of {COMPUTE_DTYPES} (or None: "
+                             f"float32), got {compute_dtype!r}.")
+        if opset is not None and (isinstance(opset, bool) or opset not in _OPSETS):
+            raise ValueError(f"`opset` must be None (tf2onnx's default, 15) or an int from "
+                             f"{_OPSETS.start} to {_OPSETS.stop - 1}, got {opset!r}.")
+    else:
+        for name, value in (("compute_dtype", compute_dtype), ("opset", opset)):
+            if value is not None:
+                raise ValueError(f"`{name}`={value!r} applies to format='onnx' only "
+                                 f"(format={format!r} was given).")
 
 
-def _input_signature(model: keras.Model) -> list[tf.TensorSpec]:
+def _input_signature(model: keras.Model, keep_integers: bool = False) -> list[tf.TensorSpec]:
     inputs = getattr(model, "inputs", None)
     if not inputs:
         raise ValueError("`model` must have known inputs (a functional or Sequential model, "
                          "or a subclassed one called on data).")
-    return [tf.TensorSpec(shape=tuple(t.shape), dtype="float32", name=t.name.split(":")[0])
+
+    def dtype(t):
+        own = tf.as_dtype(t.dtype)
+        return own if keep_integers and (own.is_integer or own.is_bool) else tf.float32
+
+    return [tf.TensorSpec(shape=tuple(t.shape), dtype=dtype(t), name=t.name.split(":")[0])
             for t in inputs]
 
 
@@ -87,55 +122,241 @@ def _quantized_layers(model: keras.Model) -> list[str]:
             if getattr(layer, "quantization_mode", None) is not None]
 
 
-def float32_copy(model: keras.Model) -> keras.Model:
-    """A copy of ``model`` whose every layer computes in float32, with the
-    same weights (keras-mp's master weights are float32 already).
+def _quantization_mode(layer: keras.layers.Layer) -> str | None:
+    return getattr(layer, "quantization_mode", None)
+
+
+def _serving_dtype(layer: keras.layers.Layer, compute: str, low_precision_model: bool) -> Any:
+    """The dtype policy ``layer`` gets in a serving copy computing in ``compute``."""
+    mode = _quantization_mode(layer)
+    if mode in ("int8", "int4"):
+        # Integer kernels kept (with the layer's own int4 block size);
+        # dequantized in float32 (Keras refuses int8 over float16: the int32
+        # accumulator overflows it).
+        policy = keras.dtype_policies.serialize(layer.dtype_policy)
+        policy["config"]["source_name"] = "float32"
+        return policy
+    if mode not in (None, "float8"):
+        raise ValueError(f"layer {layer.name!r} is quantized in mode {mode!r}, which a "
+                         "serving copy cannot carry (int8 and int4 can; float8 is served "
+                         "as float).")
+    # float8 is a training-time quantize-dequantize over a float kernel: the
+    # layer is served as the float layer it holds.
+    if compute == "float32":
+        return "float32"
+    # float16: a layer the model computes in float32 (promoted by adaptive
+    # training, or pinned) stays float32, unless no layer is narrower.
+    if low_precision_model and layer.compute_dtype == "float32":
+        return "float32"
+    return "mixed_float16"
+
+
+def serving_copy(model: keras.Model, compute_dtype: str = "float32", *,
+                 quantized: bool = True, unfuse: bool = False) -> keras.Model:
+    """A copy of ``model`` with the same weights, every layer computing in
+    ``compute_dtype``: the model that LiteRT and ONNX export convert.
+
+    With ``compute_dtype="float16"``, layers that compute in float32 in a
+    model that has narrower layers (promoted by adaptive training, or
+    pinned to float32) stay in float32; in an all-float32 model every layer
+    computes in float16. Variables stay float32 (``mixed_float16``).
+    Quantized int8/int4 layers keep their integer kernels, dequantized in
+    float32 (Keras refuses int8 over float16); float8 layers (Keras's float8
+    training, keras-mp's float8 candidate) become float layers (their float
+    kernel, without the quantize-dequantize).
+
+    Args:
+        model: a built functional or Sequential Keras model.
+        compute_dtype: one of :data:`COMPUTE_DTYPES`.
+        quantized: whether quantized and float8 layers are accepted (else
+            ``ValueError``, as :func:`float32_copy` does).
+        unfuse: whether :mod:`keras_mp.fused.layers` fused layers become their
+            Keras namesakes (same config and weights; ONNX converters cannot
+            express their XLA-compiled kernels).
 
     Raises:
-        TypeError: ``model`` is subclassed (it cannot be cloned from its config).
-        ValueError: ``model`` has quantized layers.
+        TypeError: ``model`` is not a Keras model, or is subclassed (it
+            cannot be cloned from its config).
+        ValueError: a bad ``compute_dtype``, or quantized layers that the
+            copy cannot carry (or any, with ``quantized=False``).
     """
+    from keras_mp.fused.layers import FUSED_LAYERS
+
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
                         f"{type(model).__name__}.")
-    quantized = _quantized_layers(model)
-    if quantized:
-        raise ValueError(f"`model` has quantized layers ({', '.join(quantized)}); a float32 "
-                         "copy needs the float model.")
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"`compute_dtype` must be one of {COMPUTE_DTYPES}, got "
+                         f"{compute_dtype!r}.")
+    layers = list(model._flatten_layers(include_self=False))
+    if not quantized:
+        names = [layer.name for layer in layers if _quantization_mode(layer) is not None]
+        if names:
+            raise ValueError(f"`model` has quantized layers ({', '.join(names)}); a "
+                             "float32 copy needs the float model.")
+    low_precision = any(getattr(layer, "compute_dtype", "float32") != "float32"
+                        for layer in layers if not isinstance(layer, keras.Model))
+    unfused = {fused: plain for plain, fused in FUSED_LAYERS.items()} if unfuse else {}
 
     def clone(layer):
         config = layer.get_config()
-        if "dtype" in config:
-            config["dtype"] = "float32"
-        return layer.__class__.from_config(config)
+        if "dtype" in config and not isinstance(layer, keras.layers.InputLayer):
+            config["dtype"] = _serving_dtype(layer, compute_dtype, low_precision)
+        return unfused.get(type(layer), type(layer)).from_config(config)
 
     try:
         copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
     except ValueError as e:
         raise TypeError(f"`model` must be a functional or Sequential model: {e}") from e
-    copy.set_weights([np.asarray(w) for w in model.get_weights()])
+    _copy_weights(model, copy)
     return copy
 
 
+def _copy_weights(source: keras.Model, copy: keras.Model) -> None:
+    # By path: a float8 layer's scale variables have no place in the copy.
+    values = {w.path: w for w in source.weights}
+    missing = [w.path for w in copy.weights if w.path not in values]
+    if missing:
+        raise RuntimeError("serving_copy(): the copy's weights do not match the model's "
+                           f"({', '.join(missing[:5])}); please report this model.")
+    for w in copy.weights:
+        w.assign(np.asarray(values[w.path]).astype(w.dtype))
+
+
+def float32_copy(model: keras.Model) -> keras.Model:
+    """A copy of ``model`` whose every layer computes in float32, with the
+    same weights (keras-mp's master weights are float32 already):
+    ``serving_copy(model, "float32", quantized=False)``.
+
+    Raises:
+        TypeError: ``model`` is subclassed (it cannot be cloned from its config).
+        ValueError: ``model`` has quantized layers.
+    """
+    return serving_copy(model, "float32", quantized=False)
+
+
+def _onnx_modules() -> dict[str, Any]:
+    modules, missing = {}, []
+    for name in ("tf2onnx", "onnx", "onnxruntime"):
+        try:
+            modules[name] = importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise ImportError(f"format='onnx' needs {', '.join(missing)}, not installed: "
+                          'pip install "keras-mp[onnx]" (tf2onnx, onnx and onnxruntime).')
+    return modules
+
+
+def _erfc_as_one_minus_erf(ctx, node, name, args) -> None:
+    """tf2onnx handler (its ``custom_op_handlers`` API) for TensorFlow's
+    ``Erfc``, which ONNX lacks and TensorFlow's exact GELU uses
+    (``0.5 * x * erfc(-x / sqrt(2))``): ``1 - Erf(x)``, in the node's dtype."""
+    from tf2onnx import utils
+
+    x = node.input[0]
+    dtype = ctx.get_dtype(x)
+    one = ctx.make_const(utils.make_name(f"{node.name}_one"),
+                         np.array(1, utils.map_onnx_to_numpy_type(dtype)))
+    erf = ctx.make_node("Erf", [x], op_name_scope=node.name, dtypes=[dtype],
+                        shapes=[ctx.get_shape(x)])
+    node.type = "Sub"
+    ctx.replace_inputs(node, [one.output[0], erf.output[0]])
+
+
+def _serving_function(model: keras.Model, output_dtype: str):
+    """The traced serving function: float32 outputs unless asked, named
+    ``output_0``, ``output_1``... in the model's order (a dict output keeps its keys)."""
+
+    @tf.function
+    def serve(*args):
+        outputs = model(list(args) if len(args) > 1 else args[0], training=False)
+        if output_dtype == "float32":
+            outputs = _to_float32(outputs)
+        if isinstance(outputs, dict):
+            return outputs
+        flat = tf.nest.flatten(outputs)
+        width = len(str(len(flat) - 1))
+        return {f"output_{i:0{width}d}": t for i, t in enumerate(flat)}
+
+    return serve
+
+
+def _export_onnx(model: keras.Model, path: str, compute_dtype: str, output_dtype: str,
+                 opset: int | None) -> None:
+    import logging
+
+    modules = _onnx_modules()
+    copy = serving_copy(model, compute_dtype, unfuse=True)
+    signature = _input_signature(copy, keep_integers=True)
+    serve = _serving_function(copy, output_dtype)
+    logger = logging.getLogger("tf2onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its INFO/WARNING chatter; errors still show
+    try:
+        modules["tf2onnx"].convert.from_function(
+            serve, signature, opset=opset, output_path=path,
+            custom_op_handlers={"Erfc": (_erfc_as_one_minus_erf, [])})
+    finally:
+        logger.setLevel(level)
+    try:
+        _check_onnx(path, signature, modules)
+    except ValueError:
+        os.remove(path)  # no unloadable file left where the caller asked for one
+        raise
+
+
+def _check_onnx(path: str, signature: list[tf.TensorSpec], modules: dict[str, Any]) -> None:
+    """Loads ``path`` in onnxruntime and runs it on one batch of zeros."""
+    onnx, ort = modules["onnx"], modules["onnxruntime"]
+    proto = onnx.load(path, load_external_data=False)
+    unknown = sorted({f"{n.domain}.{n.op_type}" if n.domain else n.op_type
+                      for n in proto.graph.node
+                      if n.domain not in ("", "ai.onnx") or not onnx.defs.has(n.op_type)})
+    if unknown:
+        raise ValueError(f"format='onnx': tf2onnx {modules['tf2onnx'].__version__} cannot "
+                         f"express this model's TensorFlow ops {unknown} in ONNX.")
+    try:
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        feeds = {spec.name: np.zeros([1 if d is None else d for d in spec.shape],
+                                     spec.dtype.as_numpy_dtype)
+                 for spec in signature}
+        session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise ValueError(f"format='onnx': the converted model does not run in onnxruntime "
+                         f"{ort.__version__}: {e}") from e
+
+
 def export(model: keras.Model, path: str | os.PathLike, format: str = "tf_saved_model", *,
-           output_dtype: str = "float32", weights: str | None = None) -> None:
+           output_dtype: str = "float32", weights: str | None = None,
+           compute_dtype: str | None = None, opset: int | None = None) -> None:
     """Writes ``model`` for serving (see the module docstring).
 
     Args:
         model: a built functional or Sequential Keras model: adaptive, fused
             (:func:`keras_mp.fuse`) or quantized.
-        path: the SavedModel folder, or the ``.tflite`` file for LiteRT.
+        path: the SavedModel folder, the ``.tflite`` file for LiteRT, the
+            ``.onnx`` file for ONNX.
         format: one of :data:`FORMATS`.
         output_dtype: ``"float32"`` (default): outputs cast to float32;
-            ``"compute"``: the model's own output dtype (SavedModel only;
-            LiteRT is float32 throughout).
+            ``"compute"``: the model's own output dtype (SavedModel), the
+            last layer's serving dtype (ONNX; LiteRT is float32 throughout).
         weights: LiteRT only: one of :data:`WEIGHTS`.
+        compute_dtype: ONNX only: one of :data:`COMPUTE_DTYPES` (None:
+            ``"float32"``); see :func:`serving_copy`.
+        opset: ONNX only: the ONNX opset, 13 to 18 (None: tf2onnx's default, 15).
 
     Raises:
-        ValueError: a bad argument, or LiteRT of a Keras-quantized model.
+        ValueError: a bad argument, LiteRT of a Keras-quantized model, or an
+            ONNX conversion that does not run in onnxruntime (the file is
+            removed).
+        ImportError: ONNX without the ``onnx`` extra (tf2onnx, onnx, onnxruntime).
     """
-    _check(model, path, format, output_dtype, weights)
+    _check(model, path, format, output_dtype, weights, compute_dtype, opset)
     path = os.fspath(path)
+    if format == "onnx":
+        _export_onnx(model, path, compute_dtype or "float32", output_dtype, opset)
+        return
     signature = _input_signature(model)
     if format == "tf_saved_model":
         archive = keras.export.ExportArchive()

@@ -117,7 +117,7 @@ def test_litert_refuses_a_keras_quantized_model(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    ({"format": "onnx"}, ValueError, "`format` must be one of"),
+    ({"format": "torch"}, ValueError, "`format` must be one of"),
     ({"output_dtype": "float16"}, ValueError, "`output_dtype`"),
     ({"weights": "int4", "format": "litert"}, ValueError, "`weights` must be one of"),
     ({"weights": "int8"}, ValueError, "format='litert' only"),

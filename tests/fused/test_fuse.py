@@ -1,4 +1,4 @@
-"""keras_mp.fused.fuse.fuse: layers swapped, weights carried, outputs and training
+"""keras_mp.fuse: layers swapped, weights carried, outputs and training
 equal to the original's, `.keras` save/load, and the errors it raises."""
 
 from __future__ import annotations
