@@ -138,6 +138,16 @@ def test_no_module_past_the_length_limit(name):
     assert lines <= MAX_LINES, f"{name}: {lines} lines; split it by concept"
 
 
+def test_every_package_is_installed():
+    """A plain ``pip install .`` ships every package (pyproject lists them)."""
+    import tomllib
+
+    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    listed = set(config["tool"]["setuptools"]["packages"])
+    packages = {_module_name(p.parent / "__init__.py") for p in ROOT.rglob("__init__.py")}
+    assert packages <= listed, f"packages missing from pyproject.toml: {sorted(packages - listed)}"
+
+
 # Names of keras_mp.__all__ before the package was split into subpackages
 # (0.1.0): each still resolves, the modules to the module now holding them.
 EARLIER_ALL = {
