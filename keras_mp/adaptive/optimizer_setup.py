@@ -57,8 +57,9 @@ def rebuild_for_new_variables(model: keras.Model) -> None:
     """A fresh copy of the model's optimizer, built on its variables now:
     :func:`keras_mp.adaptive.float8.prepare` just added float8 variables that an
     optimizer built before (``fit`` builds it before callbacks start, under a
-    strategy) would refuse. Only an optimizer that has not taken a step yet is
-    replaced; otherwise a ``ValueError`` says what to do."""
+    strategy) would refuse. The copy keeps the variables the optimizer
+    excludes from weight decay. Only an optimizer that has not taken a step
+    yet is replaced; otherwise a ``ValueError`` says what to do."""
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a Keras model, got {model!r}.")
     opt = getattr(model, "optimizer", None)
@@ -69,5 +70,28 @@ def rebuild_for_new_variables(model: keras.Model) -> None:
             "The model's optimizer has already trained without the float8 variables that "
             "keras_mp.adaptive.float8.prepare(model) adds; call it before the optimizer's first step "
             "(before fit, or before optimizer.build in a custom loop).")
-    replace_optimizer(model, lambda: keras.optimizers.deserialize(
-        keras.optimizers.serialize(opt)))
+    replace_optimizer(model, lambda: _fresh_copy(opt))
+
+
+#: What ``exclude_from_weight_decay`` sets on an optimizer; not in its config.
+_WEIGHT_DECAY_EXCLUSIONS = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")
+
+
+def _fresh_copy(opt: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """An unbuilt copy of ``opt`` from its config, with the variables it
+    excludes from weight decay (``exclude_from_weight_decay`` keeps them
+    outside the config: a copy without them would decay the biases and
+    LayerNorm weights of an ``AdamW`` set up to skip them)."""
+    new = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    pairs = [(opt, new)]
+    if hasattr(opt, "inner_optimizer") and hasattr(new, "inner_optimizer"):
+        pairs.append((opt.inner_optimizer, new.inner_optimizer))
+    for old, fresh in pairs:
+        kept = [attr for attr in _WEIGHT_DECAY_EXCLUSIONS if attr in old.__dict__]
+        for attr in kept:
+            value = old.__dict__[attr]
+            # Variable keys (ids) of the same variables: the copy is built on them.
+            setattr(fresh, attr, set(value) if isinstance(value, set) else value)
+        if kept:
+            fresh._exclude_from_weight_decay_cache = {}
+    return new

@@ -309,6 +309,32 @@ def test_gpu_script_says_why_it_skips_without_float8_units(capsys):
     assert "float8 benchmark skipped" in capsys.readouterr().out
 
 
+def test_optimizer_rebuilt_under_a_strategy_keeps_weight_decay_exclusions(two_replica_strategy):
+    """The fresh optimizer built after float8.prepare (under a strategy) skips
+    weight decay where the compiled one did: ``exclude_from_weight_decay`` is
+    not part of an optimizer's config."""
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    y = (x.sum(1) > 0).astype("int32")
+    with two_replica_strategy.scope():
+        with keras_mp.policy_scope(AdaptivePolicy(CANDIDATES)):
+            model = keras.Sequential([keras.Input((8,)),
+                                      keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(2)])
+        opt = keras.optimizers.AdamW(1e-2, weight_decay=0.5)
+        opt.exclude_from_weight_decay(var_list=[model.layers[0].kernel], var_names=["bias"])
+        model.compile(optimizer=opt,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+              callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=2)])
+    new = model.optimizer
+    assert new is not opt and isinstance(new, keras.optimizers.AdamW)  # rebuilt
+    first, second = model.layers
+    decayed = {v.path: new._use_weight_decay(v)
+               for v in (first.kernel, first.bias, second.kernel, second.bias)}
+    assert decayed == {first.kernel.path: False, first.bias.path: False,
+                       second.kernel.path: True, second.bias.path: False}
+
+
 def test_under_mirrored_strategy(two_replica_strategy):
     """fit builds the optimizer before callbacks start under a strategy; the
     float8 variables added then need a fresh (not yet stepped) optimizer."""
