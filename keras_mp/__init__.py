@@ -4,7 +4,7 @@ The public API, re-exported explicitly; each name lives in the subpackage of
 its concept (docs/architecture.md): :mod:`keras_mp.device`,
 :mod:`keras_mp.scaling`, :mod:`keras_mp.fused`, :mod:`keras_mp.execution`,
 :mod:`keras_mp.adaptive`, :mod:`keras_mp.deploy`, :mod:`keras_mp.cli`.
-The module names of earlier releases (``keras_mp.hooks``, ``keras_mp.xla``,
+The module names of earlier releases (``keras_mp.adaptive.hooks``, ``keras_mp.xla``,
 ``keras_mp.loss_scale``, ...) stay bound here to the modules that hold them
 now. ``keras_mp.tuning`` (Keras Tuner) and ``keras_mp.datasets`` (TFDS) are
 imported on their own, since their dependencies are extras.

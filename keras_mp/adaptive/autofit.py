@@ -34,12 +34,13 @@ import warnings
 
 import keras
 
+from keras_mp import _installed
 from keras_mp.adaptive.callback import AdaptivePrecision
 from keras_mp.adaptive.controlled_layers import policy_of
 
 __all__ = ["callback_of", "enabled", "install", "set_enabled"]
 
-_ATTR = "_keras_mp_auto_callback"
+_ATTR = "auto_callback"  # kept in the model's keras_mp._installed holder
 _state = {"enabled": True, "warned": False, "keras_fit": None}
 
 
@@ -64,7 +65,7 @@ def callback_of(model: keras.Model):
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
                         f"{type(model).__name__}.")
-    return model.__dict__.get(_ATTR)
+    return getattr(model.__dict__.get(_installed.INSTALLED_ATTR), _ATTR, None)
 
 
 def _with_adaptive(model: keras.Model, callbacks):
@@ -85,10 +86,10 @@ def _with_adaptive(model: keras.Model, callbacks):
                 "as they are. Pass callbacks=[keras_mp.callbacks.AdaptivePrecision()] to "
                 "adapt.", stacklevel=3)
         return callbacks
-    cb = model.__dict__.get(_ATTR)
+    cb = callback_of(model)
     if cb is None:
         cb = AdaptivePrecision()
-        object.__setattr__(model, _ATTR, cb)  # not state Keras should track
+        setattr(_installed.installed(model), _ATTR, cb)  # nothing Keras should track or save
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.append(cb)
         return callbacks

@@ -59,7 +59,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mp import execution
+from keras_mp import _installed, execution
 from keras_mp.adaptive import controller, float8, optimizer_setup, switching, tensorboard
 from keras_mp.adaptive import probe as probe_lib
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
@@ -80,8 +80,8 @@ _HOOKS_ATTR = "_keras_mp_hooks"
 def _is_keras_train_step(model: keras.Model) -> bool:
     """Whether ``model`` trains with Keras's own ``train_step`` (the probe
     repeats what it does; a custom one may do anything)."""
-    own = model.__dict__.get("_keras_mp_train_step")
-    fn = getattr(own, "__func__", None) if own is not None else type(model).train_step
+    own = _installed.original(model, "train_step")
+    fn = getattr(own, "__func__", None)
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     return fn is TensorFlowTrainer.train_step

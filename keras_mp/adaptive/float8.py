@@ -62,6 +62,7 @@ import tensorflow as tf
 from keras import ops, quantizers
 from keras.dtype_policies import DTypePolicyMap
 
+from keras_mp._installed import INSTALLED_ATTR
 from keras_mp.adaptive import forward
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.float8_policy import Float8Policy, Float8Recipe
@@ -88,9 +89,10 @@ VARIABLES: tuple[str, ...] = ("inputs_scale", "inputs_amax_history", "kernel_sca
                               "outputs_grad_amax_history")
 #: The layer types Keras trains in float8.
 ELIGIBLE: tuple[type, ...] = (keras.layers.Dense, keras.layers.EinsumDense)
-#: The attribute through which :class:`keras_mp.adaptive.hooks.Hooks` hands a layer's
-#: call a recorder of its float8 evidence on statistics steps.
-RECORDER_ATTR = "_keras_mp_float8_recorder"
+#: The attribute of a layer's :func:`keras_mp._installed.installed` holder
+#: through which :class:`keras_mp.adaptive.hooks.Hooks` hands the layer's call
+#: a recorder of its float8 evidence on statistics steps.
+RECORDER_ATTR = "float8_recorder"
 
 
 def eligible(layer: keras.layers.Layer) -> bool:
@@ -208,7 +210,11 @@ def release(layer: keras.layers.Layer) -> str:
     layer._tracker.unlock()
     try:
         for name in VARIABLES:
-            delattr(layer, name)
+            # As Keras's Layer.__delattr__, without its gc.collect() per
+            # variable (about 0.3 s each once TensorFlow is loaded: seconds
+            # per layer when keras_mp.quantize releases a float8 model).
+            layer._untrack_variable(getattr(layer, name))
+            super(keras.layers.Layer, layer).__delattr__(name)
     finally:
         layer._tracker.lock()
     layer._is_quantized = False
@@ -320,8 +326,9 @@ def _contract(layer, a, b):
 
 def _call(layer, inputs, training=None):
     """The float8-capable layer's call (see the module docstring)."""
+
     policy = _entry(layer)
-    recorder = getattr(layer, RECORDER_ATTR, None)
+    recorder = getattr(layer.__dict__.get(INSTALLED_ATTR), RECORDER_ATTR, None)
     record = recorder() if recorder is not None else None
     # Read, not the variables: a custom gradient must not see variables
     # reads inside it (the gradients flow back through the reads).

@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 import keras
 import tensorflow as tf
 
+from keras_mp._installed import install_method, installed
 from keras_mp.adaptive import float8, forward
 from keras_mp.scaling import kernels
 
@@ -159,64 +160,58 @@ class Hooks:
         # A float8-capable layer runs quantized_call (Keras dispatches on its
         # policy's quantization mode), whether float8 is on or off.
         name = "quantized_call" if float8.is_float8_layer(layer) else "call"
-        attr = f"{_CALL_ATTR}_{name}"
-        if getattr(layer, attr, None) is not None:
-            original = getattr(layer, attr)
-        else:
-            original = getattr(layer, name)
-            object.__setattr__(layer, attr, original)
         if name == "quantized_call":
-            object.__setattr__(layer, float8.RECORDER_ATTR,
-                               functools.partial(self._recorder, index))
+            setattr(installed(layer), float8.RECORDER_ATTR,
+                    functools.partial(self._recorder, index))
         hooks = self
 
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            if not (hooks.forward and _training()):
-                return original(*args, **kwargs)
-            hooks._slot()  # starts the order anew on a new trace
-            if index not in hooks._order:
-                hooks._order.append(index)
-            outputs = original(*args, **kwargs)
-            hooks._observe(index, layer, args, kwargs, outputs)
-            return outputs
+        def make(original):
+            @functools.wraps(original)
+            def call(*args, **kwargs):
+                if not (hooks.forward and _training()):
+                    return original(*args, **kwargs)
+                hooks._slot()  # starts the order anew on a new trace
+                if index not in hooks._order:
+                    hooks._order.append(index)
+                outputs = original(*args, **kwargs)
+                hooks._observe(index, layer, args, kwargs, outputs)
+                return outputs
+            return call
 
-        # Not Keras's __setattr__: a function is not state to track.
-        object.__setattr__(layer, name, call)
+        install_method(layer, name, make)
 
     def _wrap_train_step(self) -> None:
-        model = self.model
-        original = model.__dict__.get("_keras_mp_train_step") or model.train_step
-        object.__setattr__(model, "_keras_mp_train_step", original)
         hooks = self
 
-        @functools.wraps(original)
-        def train_step(data):
-            if hooks.probe and hooks.probe_fn is not None:
-                with hooks.paused():
-                    result = hooks.probe_fn(data)
-                hooks._slot()["probe"] = result
-            return original(data)
+        def make(original):
+            @functools.wraps(original)
+            def train_step(data):
+                if hooks.probe and hooks.probe_fn is not None:
+                    with hooks.paused():
+                        result = hooks.probe_fn(data)
+                    hooks._slot()["probe"] = result
+                return original(data)
+            return train_step
 
-        object.__setattr__(model, "train_step", train_step)
+        install_method(self.model, "train_step", make)
 
     def hook_optimizer(self, optimizer, sink: Callable) -> None:
         """Measures gradients for ``sink`` in ``optimizer.apply`` on statistics
         traces (for optimizers without a ``statistics_sink`` of their own)."""
-        original = optimizer.__dict__.get("_keras_mp_apply") or optimizer.apply
-        object.__setattr__(optimizer, "_keras_mp_apply", original)
         hooks = self
 
-        @functools.wraps(original)
-        def apply(grads, trainable_variables=None):
-            if hooks.forward:
-                grads = list(grads)
-                tvars = trainable_variables if trainable_variables is not None \
-                    else optimizer._trainable_variables
-                sink(kernels.gradient_statistics(grads, 1.0), tf.constant(1.0), tvars)
-            return original(grads, trainable_variables)
+        def make(original):
+            @functools.wraps(original)
+            def apply(grads, trainable_variables=None):
+                if hooks.forward:
+                    grads = list(grads)
+                    tvars = trainable_variables if trainable_variables is not None \
+                        else optimizer._trainable_variables
+                    sink(kernels.gradient_statistics(grads, 1.0), tf.constant(1.0), tvars)
+                return original(grads, trainable_variables)
+            return apply
 
-        object.__setattr__(optimizer, "apply", apply)
+        install_method(optimizer, "apply", make)
 
     def take(self) -> tuple[tf.Tensor | None, tf.Tensor | None, object]:
         """What the step being traced recorded, and forgets it.

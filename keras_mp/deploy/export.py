@@ -51,6 +51,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_mp.adaptive import float8
+
 __all__ = ["COMPUTE_DTYPES", "FORMATS", "WEIGHTS", "export", "float32_copy", "serving_copy"]
 
 #: The formats :func:`export` writes without a GPU.
@@ -118,8 +120,12 @@ def _to_float32(outputs):
 
 
 def _quantized_layers(model: keras.Model) -> list[str]:
+    """Layers Keras quantized for inference; not the float8-capable layers
+    of an adaptive float8 model (:mod:`keras_mp.adaptive.float8`: float8 is
+    how keras-mp trains them, over float master weights)."""
     return [layer.name for layer in model._flatten_layers(include_self=False)
-            if getattr(layer, "quantization_mode", None) is not None]
+            if getattr(layer, "quantization_mode", None) is not None
+            and not float8.is_float8_layer(layer)]
 
 
 def _quantization_mode(layer: keras.layers.Layer) -> str | None:
@@ -190,7 +196,7 @@ def serving_copy(model: keras.Model, compute_dtype: str = "float32", *,
                          f"{compute_dtype!r}.")
     layers = list(model._flatten_layers(include_self=False))
     if not quantized:
-        names = [layer.name for layer in layers if _quantization_mode(layer) is not None]
+        names = _quantized_layers(model)  # float8-trained layers are float layers here
         if names:
             raise ValueError(f"`model` has quantized layers ({', '.join(names)}); a "
                              "float32 copy needs the float model.")
@@ -213,14 +219,27 @@ def serving_copy(model: keras.Model, compute_dtype: str = "float32", *,
 
 
 def _copy_weights(source: keras.Model, copy: keras.Model) -> None:
-    # By path: a float8 layer's scale variables have no place in the copy.
-    values = {w.path: w for w in source.weights}
-    missing = [w.path for w in copy.weights if w.path not in values]
-    if missing:
+    """Each copy variable takes the source's of the same layer and name
+    (its path below the layer's): a float8 layer's scale variables have no
+    place in the copy, and a model loaded from a ``.keras`` file names its
+    variables without the model's prefix (``dense/kernel``) where its clone
+    has it (``sequential/dense/kernel``)."""
+    def below(layer, variable):
+        prefix = (layer.path or layer.name) + "/"
+        return variable.path[len(prefix):] if variable.path.startswith(prefix) else None
+
+    missing = []
+    for a, b in zip(source.layers, copy.layers):
+        values = {below(a, w): w for w in a.weights}
+        for w in b.weights:
+            value = values.get(below(b, w))
+            if value is None or tuple(value.shape) != tuple(w.shape):
+                missing.append(w.path)
+            else:
+                w.assign(np.asarray(value).astype(w.dtype))
+    if missing or len(source.layers) != len(copy.layers):
         raise RuntimeError("serving_copy(): the copy's weights do not match the model's "
                            f"({', '.join(missing[:5])}); please report this model.")
-    for w in copy.weights:
-        w.assign(np.asarray(values[w.path]).astype(w.dtype))
 
 
 def float32_copy(model: keras.Model) -> keras.Model:

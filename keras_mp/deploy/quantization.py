@@ -100,11 +100,19 @@ def _release_float8_first(original: Callable) -> Callable:
     # Keras checks "already quantized" in a per-instance wrapper, before the
     # layer's quantize runs: a layer keras-mp trained in float8 becomes a
     # float layer first (float8.release), then Keras quantizes it.
+    # The same wrapper checks a model's own compute dtype when model.quantize
+    # starts: under an AdaptivePolicy a model (a container) computing in
+    # float16 quantizes nothing itself; its layers are each checked in turn
+    # (keras_mp.quantize hands float16 ones a float32 entry first).
     @functools.wraps(original)
     def check(self, mode, compute_dtype):
+        adaptive = isinstance(self.__dict__.get("_dtype_policy"), AdaptivePolicy)
         if (getattr(self, "_is_quantized", False) and float8.is_float8_layer(self)
-                and isinstance(self.__dict__.get("_dtype_policy"), AdaptivePolicy)):
+                and adaptive):
             float8.release(self)
+        if adaptive and compute_dtype == "float16" and \
+                any(True for _ in self._flatten_layers(include_self=False)):
+            compute_dtype = "float32"
         return original(self, mode, compute_dtype)
     setattr(check, _MARK, True)
     return check
@@ -268,6 +276,14 @@ def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = ()
     Layers that trained in float8 under keras-mp become plain float layers
     first (:func:`keras_mp.adaptive.float8.release`), quantized or kept.
 
+    A built optimizer of the model (e.g. the loss-scale wrapper the adaptive
+    callback installed) holds state for the float weights quantization
+    replaces; it is replaced by a fresh copy built on the model's variables
+    now (:func:`keras_mp.adaptive.optimizer_setup.replace_optimizer`), so the
+    quantized model's ``.keras`` file loads (a
+    :class:`keras_mp.LossScaleOptimizer` refuses optimizer state saved for
+    other variables).
+
     Keras refuses int8 on a layer that computes in float16 (an
     ``adaptive_float16`` layer that was never promoted): in int8 mode such a
     layer is quantized from float32 (``int8_from_float32``).
@@ -294,4 +310,20 @@ def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = ()
     if chosen:
         model.quantize(mode, config=config,
                        filters=lambda layer: layer.path in chosen)
+    _refresh_optimizer(model)
     return decisions
+
+
+def _refresh_optimizer(model: keras.Model) -> None:
+    """A fresh copy of the model's built optimizer where the variables it
+    was built on are no longer the model's trainable variables."""
+    from keras_mp.adaptive import optimizer_setup
+
+    opt = getattr(model, "optimizer", None)
+    if opt is None or not opt.built:
+        return
+    inner = getattr(opt, "inner_optimizer", opt)
+    if [id(v) for v in inner._trainable_variables] == [id(v) for v in model.trainable_variables]:
+        return
+    optimizer_setup.replace_optimizer(model, lambda: keras.optimizers.deserialize(
+        keras.optimizers.serialize(opt)))

@@ -20,6 +20,7 @@ from typing import Any
 
 import keras
 
+from keras_mp import _installed
 from keras_mp.device import xla
 from keras_mp.execution import fused_update, placement, step_trial
 from keras_mp.execution.placement import compute_dtypes as _compute_dtypes
@@ -35,7 +36,7 @@ ENV_VAR = "KERAS_MP_EXECUTION"
 #: no new XLA compilation is tried.
 MAPS_BUDGET = 0.5
 
-_ATTR = "_keras_mp_execution"
+_ATTR = "execution"  # the model's keras_mp._installed holder keeps its _State here
 _log = logging.getLogger("keras_mp")
 
 
@@ -116,7 +117,7 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    state = getattr(model, _ATTR, None)
+    state = _state_of(model)
     failed = state.failed if state is not None else set()
     modes = ["graph"]
     if _update_only_reason(model) is None and "xla_update" not in failed:
@@ -223,8 +224,19 @@ def _guarded(model: keras.Model, state: _State, mode: str, fn: Callable[..., Any
                                      known_failure=lambda: mode in state.failed)
 
 
+def _state_of(model: keras.Model) -> _State | None:
+    return getattr(model.__dict__.get(_installed.INSTALLED_ATTR), _ATTR, None)
+
+
 def _install(model: keras.Model, state: _State) -> None:
-    original = model.make_train_function  # the class's bound method
+    _installed.install_method(model, "make_train_function",
+                         lambda original: _make_train_function(model, state, original))
+
+
+def _make_train_function(model: keras.Model, state: _State,
+                         original: Callable[..., Any]) -> Callable[..., Any]:
+    """The model's ``make_train_function`` under :func:`configure`;
+    ``original`` is the class's bound method."""
 
     def make_train_function(force: bool = False):
         if model.train_function is not None and not force:
@@ -245,7 +257,7 @@ def _install(model: keras.Model, state: _State) -> None:
         return model.train_function
 
     state.original = original
-    model.make_train_function = make_train_function
+    return make_train_function
 
 
 def configure(model: keras.Model, mode: str | None = None) -> str:
@@ -286,7 +298,7 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
     source = "`mode`"
-    state = getattr(model, _ATTR, None)
+    state = _state_of(model)
     if mode is None and state is not None and state.explicit:
         mode = state.mode  # chosen by an earlier configure(model, mode=...): it sticks
     elif mode is None:
@@ -303,7 +315,7 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     if state is None:
         state = _State(mode)
         _install(model, state)
-        setattr(model, _ATTR, state)
+        setattr(_installed.installed(model), _ATTR, state)
     elif state.mode != mode:
         state.mode, state.failed = mode, set()
     state.strict = state.explicit = source == "`mode`"
@@ -334,5 +346,5 @@ def chosen(model: keras.Model) -> str | None:
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    state = getattr(model, _ATTR, None)
+    state = _state_of(model)
     return None if state is None else state.chosen

@@ -28,7 +28,12 @@ instance; for a loss-scale wrapper, its inner optimizer's) in a
 ``tf.function(jit_compile=True)``, used only while the step is traced inside
 :func:`compiling` ``(True)``: train functions traced outside it contain
 exactly Keras's ops. Under a ``tf.distribute`` strategy the update holds the
-gradient all-reduce and is never compiled.
+gradient all-reduce and is never compiled. The wrapper is a plain function
+and the compiled update lives only inside it
+(:func:`keras_mp._installed.install_method`): SavedModel traces every
+``tf.function`` it finds among an object's attributes, and tracing the
+update outside a train step fails (``KeyError: None`` in Keras's
+``_get_variable_index``, from ``model.export``).
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf
@@ -59,9 +64,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_mp import _installed
+
 __all__ = ["install", "is_installed", "compiling", "unsupported_reason"]
 
-_ATTR = "_keras_mp_compiled_update"
+_METHOD = "_backend_update_step"
 _flag = threading.local()
 
 
@@ -110,31 +117,32 @@ def install(optimizer: Any) -> bool:
         TypeError: ``optimizer`` is not a Keras optimizer.
     """
     opt = _target(optimizer)
-    if _ATTR in opt.__dict__:
+    if is_installed(opt):
         return True
     if unsupported_reason(opt) is not None:
         return False
-    original = opt._backend_update_step
-    compiled = tf.function(lambda grads, variables, lr: original(grads, variables, lr),
-                           jit_compile=True, autograph=False)
 
-    def _backend_update_step(grads, trainable_variables, learning_rate):
-        if not getattr(_flag, "on", False) or tf.executing_eagerly() \
-                or tf.distribute.has_strategy():
-            return original(grads, trainable_variables, learning_rate)
-        variables = [v.value if isinstance(v, keras.Variable) else v
-                     for v in trainable_variables]
-        return compiled(list(grads), variables, tf.convert_to_tensor(learning_rate))
+    def make(original):
+        # Held by the wrapper alone: not an attribute SavedModel would trace.
+        compiled = tf.function(lambda grads, variables, lr: original(grads, variables, lr),
+                               jit_compile=True, autograph=False)
 
-    # object.__setattr__: the optimizer's attribute tracking must not see a tf.function.
-    object.__setattr__(opt, "_backend_update_step", _backend_update_step)
-    object.__setattr__(opt, _ATTR, compiled)
+        def _backend_update_step(grads, trainable_variables, learning_rate):
+            if not getattr(_flag, "on", False) or tf.executing_eagerly() \
+                    or tf.distribute.has_strategy():
+                return original(grads, trainable_variables, learning_rate)
+            variables = [v.value if isinstance(v, keras.Variable) else v
+                         for v in trainable_variables]
+            return compiled(list(grads), variables, tf.convert_to_tensor(learning_rate))
+        return _backend_update_step
+
+    _installed.install_method(opt, _METHOD, make)
     return True
 
 
 def is_installed(optimizer: Any) -> bool:
     """Whether :func:`install` ran on ``optimizer`` (or its inner optimizer)."""
-    return _ATTR in _target(optimizer).__dict__
+    return _installed.is_wrapped(_target(optimizer), _METHOD)
 
 
 @contextlib.contextmanager
