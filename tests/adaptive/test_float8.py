@@ -309,21 +309,32 @@ def test_gpu_script_says_why_it_skips_without_float8_units(capsys):
     assert "float8 benchmark skipped" in capsys.readouterr().out
 
 
-def test_optimizer_rebuilt_under_a_strategy_keeps_weight_decay_exclusions(two_replica_strategy):
-    """The fresh optimizer built after float8.prepare (under a strategy) skips
-    weight decay where the compiled one did: ``exclude_from_weight_decay`` is
-    not part of an optimizer's config."""
-    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+def _mirrored_model(strategy, make_optimizer, rows):
+    """A float8-candidate MLP compiled under ``strategy`` with
+    ``make_optimizer(model)``, and ``rows`` rows of a binary task."""
+    x = np.random.default_rng(0).normal(size=(rows, 8)).astype("float32")
     y = (x.sum(1) > 0).astype("int32")
-    with two_replica_strategy.scope():
+    with strategy.scope():
         with keras_mp.policy_scope(AdaptivePolicy(CANDIDATES)):
             model = keras.Sequential([keras.Input((8,)),
                                       keras.layers.Dense(16, activation="relu"),
                                       keras.layers.Dense(2)])
-        opt = keras.optimizers.AdamW(1e-2, weight_decay=0.5)
-        opt.exclude_from_weight_decay(var_list=[model.layers[0].kernel], var_names=["bias"])
+        opt = make_optimizer(model)
         model.compile(optimizer=opt,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, opt, (x, y)
+
+
+def test_optimizer_rebuilt_under_a_strategy_keeps_weight_decay_exclusions(two_replica_strategy):
+    """The fresh optimizer built after float8.prepare (under a strategy) skips
+    weight decay where the compiled one did: ``exclude_from_weight_decay`` is
+    not part of an optimizer's config."""
+    def adamw(model):
+        opt = keras.optimizers.AdamW(1e-2, weight_decay=0.5)
+        opt.exclude_from_weight_decay(var_list=[model.layers[0].kernel], var_names=["bias"])
+        return opt
+
+    model, opt, (x, y) = _mirrored_model(two_replica_strategy, adamw, 64)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0,
               callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=2)])
     new = model.optimizer
@@ -338,15 +349,8 @@ def test_optimizer_rebuilt_under_a_strategy_keeps_weight_decay_exclusions(two_re
 def test_under_mirrored_strategy(two_replica_strategy):
     """fit builds the optimizer before callbacks start under a strategy; the
     float8 variables added then need a fresh (not yet stepped) optimizer."""
-    x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
-    y = (x.sum(1) > 0).astype("int32")
-    with two_replica_strategy.scope():
-        with keras_mp.policy_scope(AdaptivePolicy(CANDIDATES)):
-            model = keras.Sequential([keras.Input((8,)),
-                                      keras.layers.Dense(16, activation="relu"),
-                                      keras.layers.Dense(2)])
-        model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model, _, (x, y) = _mirrored_model(two_replica_strategy,
+                                       lambda model: keras.optimizers.Adam(1e-2), 256)
     h = model.fit(x, y, batch_size=32, epochs=2, verbose=0,
                   callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=4)])
     assert isinstance(model.optimizer, keras.optimizers.Adam)
