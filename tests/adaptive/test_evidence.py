@@ -91,6 +91,63 @@ def test_float16_in_model_normalization_is_rescued_by_forward_statistics(kind, c
     assert all(layer.compute_dtype == "float16" for layer in _dense(model))
 
 
+# -- float16: the loss scale comes back once the cause is gone (issue 20) --------
+
+def _four_classes(n, seed):
+    """Four classes from 16 features in raw units (scale 5e4: up to about 2e5,
+    beyond float16's 65504 for a third of the rows)."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(n, 16)).astype("float32")
+    w = np.random.default_rng(7).normal(size=(16, 4)).astype("float32")
+    return (5e4 * z).astype("float32"), np.argmax(z @ w, 1).astype("int32")
+
+
+def _rescaled_mlp(x):
+    return keras.Sequential([keras.Input((16,)), keras.layers.Rescaling(2e-5)]
+                            + [keras.layers.Dense(64, activation="relu") for _ in range(5)]
+                            + [keras.layers.Dense(4)])
+
+
+class _ScaleTrace(keras.callbacks.Callback):
+    """The loss scale after each of the first ``steps`` steps (a read syncs)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps, self.scales = steps, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if len(self.scales) < self.steps:
+            self.scales.append(float(self.model.optimizer.loss_scale))
+
+
+def test_float16_loss_scale_recovers_after_the_promotion_and_no_layer_is_promoted_for_it():
+    # The input overflows float16 until Rescaling is promoted at call 100: every
+    # step until then is non-finite and the scale falls from 2**15 to its floor.
+    # Before recovery it stayed at 1 (growth every 2000 finite steps), the
+    # gradients drained into float16's subnormal range, and at call 1200 four
+    # of the six Dense layers were promoted for fp16_subnormal while the probe
+    # measured their gradient error at 0.005 (issue 20). 30 epochs of 48 steps.
+    data = (_four_classes(3072, 0), _four_classes(2048, 1))
+    kw = dict(epochs=30, batch_size=64, lr=1e-3,
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    acc32 = _fit(_rescaled_mlp, data, "float32", **kw)[1][1]
+    cb, trace = AdaptivePrecision(), _ScaleTrace(200)
+    model, (_, acc) = _fit(_rescaled_mlp, data,
+                           keras_mp.AdaptivePolicy(candidates=("float16", "float32")),
+                           [cb, trace], **kw)
+    print(f"four classes, raw features: float32 {acc32:.4f}  adaptive {acc:.4f}")
+    print(precision_report(model))
+    assert [(e["step"], e["reason"]) for e in cb.events] == [(100, "input_range")]
+    assert cb.events[0]["layer"] == model.layers[0].path  # Rescaling, alone
+    assert trace.scales[98] == 1.0  # the floor, before the promotion
+    # back to the scale before the streak within 16 steps of the promotion
+    assert trace.scales[100 + 15] == 2.0**15 and min(trace.scales[116:]) >= 2.0**14
+    assert float(model.optimizer.loss_scale) >= 2.0**14 and cb.scale_events == []
+    dense = _dense(model)
+    assert sum(layer.compute_dtype == "float16" for layer in dense) >= 3
+    assert acc >= acc32 - 0.01
+
+
 # -- bfloat16: rounding loss, seen by the probe --------------------------------
 
 def _offset_regression(n, seed):
