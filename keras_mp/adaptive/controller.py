@@ -35,7 +35,9 @@ the next interval re-checks):
    (the scale lags) keeps a layer from being demoted into float8 but does
    not by itself promote. **Underflow with headroom**: a float16 layer whose
    scaled gradients are float16 subnormals (or below) in more than
-   ``max_fp16_subnormal`` of their elements is first answered by a larger
+   ``max_fp16_subnormal`` of their elements, or whose largest scaled gradient
+   is below float16's smallest normal (the rest then reads as zeros) is
+   first answered by a larger
    loss scale, where the caller passes ``loss_scale``: the global scale
    grows by the largest power of 2 that every float16 layer's headroom
    allows (:mod:`keras_mp.adaptive.scale_rule`), or with ``layer_scales``
@@ -348,8 +350,9 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
             continue
         if reason is not None:
             pass
-        elif s.gradients and dtype == "float16" and \
-                s.fp16_subnormal + s.fp16_underflow > rule.max_fp16_subnormal:
+        elif s.gradients and dtype == "float16" and (
+                s.fp16_subnormal + s.fp16_underflow > rule.max_fp16_subnormal
+                or scales.below_normal(i)):
             troubled.add(i)
             if scales.lift(i):
                 continue  # the loss scale grows instead
@@ -401,7 +404,9 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
                 validated.add(i)
     elif probe_steps > 0 and not switches and _probe_bad(stats, probe_loss_error,
                                                          probe_loss_noise_ratio, rule):
-        narrow = [i for i in measured if can_widen(i) and stats[i].probe_steps]
+        # (not a layer whose scale just grew: the probe measured the old one)
+        narrow = [i for i in measured if can_widen(i) and stats[i].probe_steps
+                  and i not in scales.lifted]
         if not _probe_bad([], probe_loss_error, probe_loss_noise_ratio, rule):
             # The loss is fine but some gradients are not: the output-most of those.
             narrow = [i for i in narrow if _grad_bad(stats[i], rule)]

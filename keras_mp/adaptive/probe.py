@@ -186,7 +186,9 @@ def probe(model: keras.Model, data, policy: AdaptivePolicy,
     diff2, ref2, own2, dot, noise2 = sums
     measured = tf.constant([1.0 if learned_variables(layer) else 0.0 for layer in layers])
     grad_error = tf.sqrt(diff2) / tf.maximum(tf.sqrt(ref2), _TINY) * measured
-    cosine = tf.where(measured > 0, dot / tf.maximum(tf.sqrt(own2 * ref2), _TINY), 1.0)
+    # sqrt of each: the product of two squared norms of tiny gradients underflows
+    cosine = tf.where(measured > 0, dot / tf.maximum(tf.sqrt(own2) * tf.sqrt(ref2), _TINY),
+                      1.0)
     loss_error = tf.abs(loss - loss32) / tf.maximum(tf.abs(loss32), _TINY)
     # Capped: a batch whose halves agree exactly has no measurable noise.
     loss_ratio = tf.minimum(tf.abs(loss - loss32) / tf.maximum(tf.abs(loss_h - loss32), _TINY),

@@ -39,8 +39,9 @@ from keras_mp.adaptive.rule import DecisionRule, LayerState, LayerStats
 __all__ = ["MAX_LAYER_SCALE", "Scales"]
 
 #: The largest per-layer loss-scale factor set.
-MAX_LAYER_SCALE = 2.0**24
+MAX_LAYER_SCALE = 2.0**48
 _FP16_MAX = 65504.0
+_FP16_MIN_NORMAL = 2.0**-14
 
 
 def _positive(name, v) -> None:
@@ -104,6 +105,9 @@ class Scales:
                              f"got {list(layer_scales)!r} for groups {list(layer_groups)!r}.")
         self.groups = list(layer_groups)
         self._lifted: set[int] = set()
+        #: the layers whose scale grew in this decision (the probe measured
+        #: them at the old one)
+        self.lifted: set[int] = set()
         self.stats, self.states, self.rule = stats, states, rule
         self.scale, self.max_scale = loss_scale, float(max_loss_scale)
         self.per_layer = layer_scales is not None
@@ -125,6 +129,19 @@ class Scales:
         return [i for i, (s, st) in enumerate(zip(self.stats, self.states))
                 if st.dtype == "float16" and s.gradients and s.steps > 0]
 
+    def below_normal(self, i: int) -> bool:
+        """Whether even layer ``i``'s largest gradient is below float16's
+        smallest normal number at the scale it carries (then its elements
+        are subnormals or flushed to zero, which the fractions count as
+        zeros). With per-layer scales the gradient entering the layer counts
+        too: measured in float32 at its boundary, it shows a layer whose
+        float16 gradients are all zero."""
+        amax = self.stats[i].amax
+        if self.per_layer:  # the gradient entering it, measured in float32
+            amax = max(amax, self.stats[i].backward_amax)
+        return self.scale is not None and amax > 0 and \
+            amax * self.scale * self.factors[i] < _FP16_MIN_NORMAL
+
     def _members(self, group: int) -> list[int]:
         return [j for j, g in enumerate(self.groups) if g == group]
 
@@ -143,6 +160,7 @@ class Scales:
             if group < 0:
                 return False
             if group in self._lifted:
+                self.lifted.add(i)
                 return True
             k = min(self._group_exponent(group),
                     math.floor(math.log2(MAX_LAYER_SCALE / self.factors[i])))
@@ -151,12 +169,14 @@ class Scales:
             for j in self._members(group):
                 self.factors[j] *= 2.0**k
             self._lifted.add(group)
+            self.lifted.add(i)
             return True
         if self._global is None:
             cap = math.floor(math.log2(self.max_scale / self.scale))
             self._global = int(min([cap] + [self._exponent(j) for j in self._float16()]))
         if self._global >= 1:
             self.grow = self._global
+            self.lifted.add(i)
             return True
         return False
 

@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.variables import AutocastScope  # no public equivalent
 
 __all__ = ["boundary_in", "boundary_out", "cast_source", "backoff"]
 
@@ -219,7 +220,10 @@ class LayerScalesMixin:
         first = self._first_of_group[group]
         if first < 0:
             return tf.constant(1.0)
-        return tf.convert_to_tensor(self.variable_scales.value[first])
+        # Read inside a layer's call: not cast to its compute dtype (2**16 is
+        # inf in float16).
+        with AutocastScope(None):
+            return tf.convert_to_tensor(self.variable_scales.value[first])
 
     def get_layer_scales(self) -> list[float]:
         """Each bound group's factor (one device read)."""
@@ -248,4 +252,5 @@ class LayerScalesMixin:
     def _variable_factors(self, tvars):
         """Each of ``tvars``'s factor, a ``[len(tvars)]`` tensor."""
         index = [self._get_variable_index(v) for v in tvars]
-        return tf.gather(self.variable_scales.value, index), index
+        with AutocastScope(None):
+            return tf.gather(self.variable_scales.value, index), index

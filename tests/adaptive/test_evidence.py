@@ -148,6 +148,57 @@ def test_float16_loss_scale_recovers_after_the_promotion_and_no_layer_is_promote
     assert acc >= acc32 - 0.01
 
 
+# -- float16: per-layer loss scales where one global scale cannot serve --------
+
+def _sigmoid_tower(x):
+    """A linear path beside a tower of 10 sigmoid layers with a small
+    initialization (wide and deep): the gradients vanish by about 2**-3.5 per
+    tower layer, from 0.1 at its top to 1e-11 at its bottom, 2**33 apart."""
+    inp = keras.Input((16,))
+    h = inp
+    init = keras.initializers.RandomNormal(stddev=0.05, seed=3)
+    for _ in range(10):
+        h = keras.layers.Dense(32, activation="sigmoid", kernel_initializer=init)(h)
+    return keras.Model(inp, keras.layers.Dense(4)(keras.layers.Concatenate()([inp, h])))
+
+
+def _four_normal_classes(n, seed):
+    x, y = _four_classes(n, seed)
+    return x / 5e4, y
+
+
+def test_per_layer_loss_scales_keep_every_layer_in_float16_where_one_scale_cannot():
+    # The scale the tower's bottom needs out of float16's subnormal range
+    # (1e-11 * S >= 2**-14: S >= 2**23) overflows its top (0.1 * 2**23 > 65504).
+    data = (_four_normal_classes(1024, 0), _four_normal_classes(2048, 1))
+    kw = dict(epochs=6, batch_size=64, lr=1e-2,
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    acc32 = _fit(_sigmoid_tower, data, "float32", **kw)[1][1]
+    one = AdaptivePrecision(interval=8)  # its promotions come by call 32: 3 epochs
+    _, (_, acc_one) = _fit(_sigmoid_tower, data,
+                           keras_mp.AdaptivePolicy(("float16", "float32")), [one],
+                           **dict(kw, epochs=3))
+    own = AdaptivePrecision(interval=8)
+    model, (_, acc) = _fit(_sigmoid_tower, data, keras_mp.AdaptivePolicy(
+        ("float16", "float32"), layer_loss_scales=True), [own], **kw)
+    report = precision_report(model)
+    print(f"sigmoid tower: float32 {acc32:.4f}  one scale (3 epochs) {acc_one:.4f} "
+          f"({len(one.events)} promoted)  per-layer scales {acc:.4f}")
+    print(report)
+    # one scale: the bottom of the tower is promoted, the probe confirming harm
+    assert one.events and {e["reason"] for e in one.events} <= {"fp16_subnormal",
+                                                                "probe_error"}
+    # per-layer scales: every layer in float16 at float32's quality
+    assert own.events == [] and all(row["compute_dtype"] == "float16" for row in report.rows)
+    assert all(row["probe"]["grad_error"] < 0.05 for row in report.rows
+               if row["measured"]["gradients"])
+    assert acc >= acc32 - 0.01
+    # each layer's scale from its own statistics: the bottom's far above the top's
+    scales = [row["loss_scale"] for row in report.rows if row["measured"]["gradients"]]
+    assert scales[0] >= 2.0**30 * scales[-1]
+    assert int(model.optimizer.skipped_steps) <= 2
+
+
 # -- bfloat16: rounding loss, seen by the probe --------------------------------
 
 def _offset_regression(n, seed):
