@@ -8,7 +8,10 @@ loss scale and the dtype rule read the same statistics and decide together.
 * Applying the answer: :meth:`keras_mp.LossScaleOptimizer.set_loss_scale`,
   :meth:`~keras_mp.LossScaleOptimizer.set_layer_scales`; each change is an
   event (``step``, ``layer``: None for the global scale or the path of the
-  layer whose own factor changed, ``old``, ``new``).
+  layer whose own factor changed, ``old``, ``new``). A promotion that removes
+  the cause of non-finite steps (:data:`CAUSES`) also tells the schedule so
+  (:meth:`~keras_mp.LossScaleOptimizer.recover_loss_scale`): the scale grows
+  back to where it was before the streak.
 * Per-layer loss scales (``AdaptivePolicy(layer_loss_scales=True)``): the
   boundaries of :mod:`keras_mp.scaling.layer_scales` go around every
   controlled layer that is not inside another (a composite layer's
@@ -43,7 +46,12 @@ from keras_mp.adaptive.stats import learned_variables
 from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
-__all__ = ["LossScales", "top_level"]
+__all__ = ["CAUSES", "LossScales", "top_level"]
+
+#: Promotion reasons that name the cause of non-finite steps (or of values
+#: about to overflow): after one, the loss scale comes back.
+CAUSES = frozenset({"input_range", "output_nonfinite", "output_near_max", "nonfinite",
+                    "nonfinite_everywhere"})
 
 
 def top_level(layers: Sequence[keras.layers.Layer]) -> list[int]:
@@ -99,6 +107,8 @@ class LossScales:
         self.per_layer = per_layer
         self.groups: list[int] = [-1] * len(self.layers)  # per controlled layer
         self._group_heads: list[int] = []  # the top-level layer of each group
+        if hooks is not None:  # no boundaries from an earlier optimizer
+            hooks.layer_scale_of, hooks.boundaries = None, set()
         if per_layer:
             self._bind()
 
@@ -183,6 +193,8 @@ class LossScales:
         """Sets the scales ``decision`` asks for; returns the changes as events."""
         events = []
         opt = self.optimizer
+        if opt is not None and any(sw.reason in CAUSES for sw in decision.switches):
+            opt.recover_loss_scale()  # the cause of the streak is gone
         if decision.loss_scale is not None and self._adjustable():
             old = float(opt.loss_scale)
             opt.set_loss_scale(decision.loss_scale)

@@ -115,16 +115,20 @@ class LossScaleSchedule:
         return state["loss_scale"]
 
     def rescaled(self, state: Mapping[str, Any], scale) -> State:
-        """The state with the loss scale set to ``scale`` (what the adaptive
-        controller asks for when gradients underflow with headroom).
-
-        The default replaces ``state["loss_scale"]``; a schedule without that
-        entry must override it.
-        """
+        """The state with the loss scale set to ``scale`` (the adaptive rule's
+        answer to underflow with headroom); the default replaces
+        ``state["loss_scale"]``, a schedule without that entry overrides it."""
         if "loss_scale" not in state:
             raise NotImplementedError(
                 f"{type(self).__name__} has no 'loss_scale' state entry: override rescaled().")
         return {**state, "loss_scale": ops.cast(ops.convert_to_tensor(scale), "float32")}
+
+    def recovered(self, state: Mapping[str, Any]) -> State:
+        """The state after the cause of a streak of non-finite steps was
+        removed (the adaptive policy promoted the layer at fault). The
+        default changes nothing; :class:`DynamicLossScale` comes back to the
+        scale before the streak."""
+        return dict(state)
 
     def update(self, state: Mapping[str, Any], finite, step) -> State:
         """The state after a step.
@@ -233,11 +237,10 @@ class DynamicLossScale(LossScaleSchedule):
     ``recovery_interval`` finite steps until it is back there. A non-finite
     step during that regrowth ends it (the usual back-off follows), so a
     scale that was itself too large costs at most one more skipped step. A
-    streak that ends above the floor is the scale's own calibration: no
-    recovery. Without recovery the scale stayed at the floor for
-    ``growth_interval`` steps per doubling: a float16 run whose input
-    overflowed for its first 100 steps kept a scale of 1 (gradients in
-    float16's subnormal range) for the rest of a 1440-step run (issue 20).
+    streak that ends above the floor is taken for the scale's own
+    calibration, unless the cause is named (:meth:`recovered`, below).
+    Without recovery a float16 run whose input overflowed for its first 100
+    steps kept a scale of 1 for the rest of a 1440-step run (issue 20).
 
     Args:
         initial_scale: the scale of the first step.
@@ -256,9 +259,14 @@ class DynamicLossScale(LossScaleSchedule):
 
     State: ``loss_scale``, ``good_steps`` (finite steps since the last growth
     or overflow), ``hysteresis_left`` (overflows still tolerated) and, with
-    recovery, ``streak_start`` (the scale before the current streak of
-    non-finite steps, 0 outside one) and ``recover_to`` (the scale to come
-    back to, 0 for none).
+    recovery, ``streak_start`` (the scale before the latest streak of
+    non-finite steps: positive during it, negated once it ended, 0 before any)
+    and ``recover_to`` (the scale to come back to, 0 for none).
+
+    When the adaptive policy promotes the layer that overflowed, its callback
+    calls :meth:`recovered` (through
+    :meth:`keras_mp.LossScaleOptimizer.recover_loss_scale`): the scale grows
+    back, the same way, to where it was before the latest streak.
 
     Example:
         >>> import keras_mp
@@ -363,14 +371,15 @@ class DynamicLossScale(LossScaleSchedule):
             streak_start = ops.convert_to_tensor(state["streak_start"], "float32")
             recover_to = ops.convert_to_tensor(state["recover_to"], "float32")
             # The scale before this streak (a streak that starts while the
-            # scale is coming back started, in effect, from the target).
-            start = ops.where(finite, 0.0, ops.where(
+            # scale is coming back started, in effect, from the target);
+            # negated, and so remembered, once the streak ends.
+            start = ops.where(finite, -ops.abs(streak_start), ops.where(
                 streak_start > 0, streak_start, ops.maximum(scale, recover_to)))
             # Non-finite at the floor: not the scale's doing, come back once it
             # ends; non-finite above it (regrowth overshot): no recovery.
             at_floor = scale <= self.min_scale
             recover_to = ops.where(finite, recover_to, ops.where(
-                at_floor, ops.maximum(recover_to, start), 0.0))
+                at_floor, ops.maximum(recover_to, ops.abs(start)), 0.0))
             recovering = recover_to > scale
             interval = ops.where(recovering, ops.convert_to_tensor(
                 self.recovery_interval, "int64"), interval)
@@ -401,6 +410,22 @@ class DynamicLossScale(LossScaleSchedule):
                 ops.where(ops.logical_and(grow, new_scale >= recover_to), 0.0, recover_to),
                 "float32")
         return out
+
+    def recovered(self, state):
+        """The state after the cause of the latest streak of non-finite steps
+        was removed: from the next finite step the scale grows back, by
+        ``growth_factor`` every ``recovery_interval`` steps, to where it was
+        before that streak (nothing changes if it is there already, or
+        without recovery)."""
+        if self.recovery_interval is None:
+            return dict(state)
+        scale = ops.convert_to_tensor(state["loss_scale"], "float32")
+        before = ops.abs(ops.convert_to_tensor(state["streak_start"], "float32"))
+        target = ops.maximum(ops.convert_to_tensor(state["recover_to"], "float32"),
+                             ops.where(before > scale, before, 0.0))
+        return {**state, "recover_to": target,
+                "good_steps": ops.where(target > scale, 0, ops.convert_to_tensor(
+                    state["good_steps"], "int64"))}
 
     def get_config(self):
         gi = self.growth_interval

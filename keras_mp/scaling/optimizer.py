@@ -257,6 +257,18 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
             var = self._state_variables[key]
             var.assign(ops.cast(value, var.dtype))
 
+    def recover_loss_scale(self) -> None:
+        """Says that the cause of the latest streak of non-finite steps is gone
+        (outside a train step): the schedule comes back to the scale before
+        it (:meth:`LossScaleSchedule.recovered`). The adaptive policy calls it
+        when it promotes the layer that overflowed."""
+        if not self.built:
+            return
+        state = {k: v.value for k, v in self._state_variables.items()}
+        for key, value in self.schedule.recovered(state).items():
+            var = self._state_variables[key]
+            var.assign(ops.cast(value, var.dtype))
+
     @property
     def dynamic_scale(self):
         """Keras's name for the loss-scale variable."""

@@ -141,6 +141,29 @@ def test_recovery_interval_and_no_recovery():
     assert set(never.state_spec()) == {"loss_scale", "good_steps", "hysteresis_left"}
 
 
+def test_recovered_names_the_cause_of_a_streak_that_ended_above_the_floor():
+    s = DynamicLossScale(initial_scale=2.0**15, growth_interval=1000)
+    st = s.initial_state()
+    for _ in range(5):
+        st = s.update(st, False, 0)  # 2**15 -> 2**10
+    st = s.update(st, True, 0)  # ended above the floor: calibration, as far as it knows
+    assert float(s.scale(st)) == 2.0**10 and float(st["recover_to"]) == 0.0
+    assert float(st["streak_start"]) == -(2.0**15)  # remembered
+    st = s.recovered(st)  # the adaptive policy promoted the layer that overflowed
+    scales = []
+    for _ in range(6):
+        st = s.update(st, True, 0)
+        scales.append(float(s.scale(st)))
+    assert scales == [2.0**11, 2.0**12, 2.0**13, 2.0**14, 2.0**15, 2.0**15]
+    # nothing to come back to: nothing changes
+    fresh = s.initial_state()
+    assert {k: float(v) for k, v in s.recovered(fresh).items()} == \
+        {k: float(v) for k, v in fresh.items()}
+    plain = DynamicLossScale(recovery_interval=None)
+    assert set(plain.recovered(plain.initial_state())) == set(plain.state_spec())
+    assert HalveOnly().recovered({"loss_scale": 4.0}) == {"loss_scale": 4.0}
+
+
 def test_rescaled_sets_the_scale_within_bounds_and_restarts_growth():
     s = DynamicLossScale(initial_scale=4.0, min_scale=1.0, max_scale=2.0**10,
                          growth_interval=3)
