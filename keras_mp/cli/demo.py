@@ -350,13 +350,13 @@ def format_result(r: DemoResult) -> str:
     """The demo's summary as text."""
     lines = ["", "keras-mp demo, part 1: a run static float16 loses, rescued by adaptive "
                  "precision", "",
-             f"{'variant':<26}{'accuracy':>9}  {'skipped steps':>13}  {'loss scale':<22}"
+             f"{'variant':<26}{'accuracy':>9}  {'skipped steps':>13}  {'loss scale':<24}"
              "layers in 16 bits"]
     for variant, run in r.runs.items():
         final = run.final_dtypes
         narrow = [n for n, d in final.items() if d in ("float16", "bfloat16")]
         lines.append(f"{_LABELS[variant]:<26}{run.accuracy:>9.3f}  "
-                     f"{f'{run.skipped_steps}/{run.steps}':>13}  {_scales(run):<22}"
+                     f"{f'{run.skipped_steps}/{run.steps}':>13}  {_scales(run):<23} "
                      f"{len(narrow)}/{len(final)} {', '.join(narrow)}")
     adaptive = r.runs["adaptive_float16"]
     lines += ["", "Switches made by AdaptivePrecision (interval 5 steps):"]
