@@ -20,28 +20,29 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp.adaptive import (autofit, controller, float8, forward, hooks, optimizer_setup,
-                               state as precision_state, probe, report, stats, switching,
-                               tensorboard)
+from keras_mp.adaptive import (autofit, controller, float8, forward, hooks, loss_scales,
+                               optimizer_setup, state as precision_state, probe, report,
+                               scale_rule, stats, switching, tensorboard)
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
 from keras_mp.execution import fused_update, step_trial
 from keras_mp.fused import layers, ops
-from keras_mp.scaling import kernels, loss_scale, optimizer
+from keras_mp.scaling import kernels, layer_scales, loss_scale, optimizer
 from keras_mp.device import xla
 from keras_mp.fused.fuse import fuse as fuse_model
 
 MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adaptive.controller",
            "adaptive.float8", "adaptive.float8_policy", "adaptive.forward", "adaptive.hooks",
-           "adaptive.optimizer_setup", "adaptive.policy", "adaptive.probe", "adaptive.report",
-           "adaptive.rule", "adaptive.state", "adaptive.stats", "adaptive.switching",
+           "adaptive.loss_scales", "adaptive.optimizer_setup", "adaptive.policy",
+           "adaptive.probe", "adaptive.report", "adaptive.rule", "adaptive.scale_rule",
+           "adaptive.state", "adaptive.stats", "adaptive.switching",
            "adaptive.tensorboard", "callbacks", "cli", "cli.command", "cli.demo",
            "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
            "device", "device.capabilities", "device.xla", "distribute", "execution",
            "execution.fused_update", "execution.step_trial", "fused", "fused.fuse", "fused.layers",
-           "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.loss_scale",
-           "scaling.optimizer", "tuning"]
+           "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.layer_scales",
+           "scaling.loss_scale", "scaling.optimizer", "tuning"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -53,6 +54,7 @@ NO_ARGUMENTS = {
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
     "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
+    "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
 }
 # Plain result records, built by keras_mp itself from validated values.
@@ -251,6 +253,56 @@ CASES = [
     # optimizer (more in test_optimizer.py)
     ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer("adam"), TypeError,
      "`inner_optimizer`"),
+    ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
+        SGD(), layer_scales="yes"), ValueError, "`layer_scales`"),
+    ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
+        SGD(), schedule=4.0).set_loss_scale(float("nan")), ValueError, "`scale`"),
+    ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
+        SGD()).bind_layer_scales([]), ValueError, "layer_scales"),
+    # per-layer loss scales
+    ("scaling.layer_scales.boundary_in", lambda: layer_scales.boundary_in(
+        tf.ones([2]), "float16", 1.0, record="print"), TypeError, "`record`"),
+    ("scaling.layer_scales.boundary_out", lambda: layer_scales.boundary_out(
+        tf.ones([2]), 1.0, record=3), TypeError, "`record`"),
+    ("scaling.layer_scales.backoff", lambda: layer_scales.backoff(
+        tf.ones([3]), tf.zeros([3]), [0, 1]), ValueError, "`factors`"),
+    ("scaling.layer_scales.backoff", lambda: layer_scales.backoff(
+        tf.ones([2]), tf.zeros([2]), [0, -2]), ValueError, "`groups`"),
+    ("adaptive.scale_rule.Scales", lambda: scale_rule.Scales(
+        [controller.LayerStats()], [controller.LayerState("float16")], controller.DecisionRule(),
+        layer_scales=[1.0]), ValueError, "`layer_scales`"),
+    ("adaptive.scale_rule.Scales", lambda: scale_rule.Scales(
+        [controller.LayerStats()], [controller.LayerState("float16")], controller.DecisionRule(),
+        loss_scale=1.0, layer_scales=[1.0], layer_groups=[-3]), ValueError, "`layer_groups`"),
+    ("adaptive.scale_rule.Scales", lambda: scale_rule.Scales(
+        [controller.LayerStats()], [], controller.DecisionRule()), ValueError, "`stats`"),
+    ("adaptive.loss_scales.top_level", lambda: loss_scales.top_level(["dense"]), TypeError,
+     "`layers`"),
+    ("adaptive.loss_scales.LossScales", lambda: loss_scales.LossScales(
+        SGD(), _model().layers, per_layer=True), ValueError, "layer_scales=True"),
+    ("adaptive.loss_scales.LossScales", lambda: loss_scales.LossScales(
+        SGD(), _model().layers, per_layer="yes"), ValueError, "`per_layer`"),
+    ("adaptive.switching.layer_states", lambda: switching.layer_states("policy", ["dense"]),
+     TypeError, "`policy`"),
+    ("adaptive.switching.trial_dtypes", lambda: switching.trial_dtypes(None, [], []),
+     TypeError, "`policy`"),
+    ("adaptive.controller.decide", lambda: controller.decide(
+        [controller.LayerStats()], [controller.LayerState("float16")], ("float16", "float32"),
+        loss_scale=-1.0), ValueError, "`loss_scale`"),
+    ("adaptive.rule.LayerState", lambda: controller.LayerState("float16", suspect=99),
+     ValueError, "`suspect`"),
+    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(scale_headroom=0.5),
+     ValueError, "`scale_headroom`"),
+    ("scaling.loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(
+        recovery_interval=0), ValueError, "`recovery_interval`"),
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+        ("bfloat16", "float32"), layer_loss_scales=True), ValueError, "`layer_loss_scales`"),
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+        ("float16", "float32"), layer_loss_scales=1), ValueError, "`layer_loss_scales`"),
+    ("adaptive.tensorboard.write_interval", lambda: tensorboard.write_interval(
+        None, 0, None, ["a"], stats.IntervalStats(1, 0.0, 1.0, ("a",),
+                                                  (controller.LayerStats(),)), 0,
+        loss_scales=[1.0, 2.0]), ValueError, "`loss_scales`"),
     ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
         SGD(), max_consecutive_skips=True), ValueError, "`max_consecutive_skips`"),
     ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(

@@ -136,6 +136,44 @@ def test_adaptive_policy_decides_as_on_one_device(mirrored):
         np.testing.assert_allclose(a.amax, b.amax, rtol=2e-2)
 
 
+def _train_layer_scales(strategy):
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    policies.set_global_policy(keras_mp.AdaptivePolicy(("float16", "float32"),
+                                                       layer_loss_scales=True))
+    small = keras.initializers.RandomUniform(-0.05, 0.05, seed=1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,))] + [
+            keras.layers.Dense(u, kernel_initializer=small) for u in (8, 4, 1)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=False)
+    # Tiny targets at a scale of 1: float16 gradients in the subnormal range.
+    cb = AdaptivePrecision(interval=2, probe_every=None, loss_scale=DynamicLossScale(
+        initial_scale=1.0, recovery_interval=None))
+    x, y = _adaptive_data()
+    x[:, 0] = np.clip(x[:, 0], -3, 3)
+    model.fit(x, 1e-3 * y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[cb])
+    return model, cb
+
+
+def test_per_layer_loss_scales_agree_across_replicas(mirrored):
+    single, single_cb = _train_layer_scales(tf.distribute.get_strategy())
+    model, cb = _train_layer_scales(mirrored)
+    assert cb.scale_events and all(e["layer"] is not None for e in cb.scale_events)
+    first = [(e["layer"], e["new"]) for e in cb.scale_events if e["step"] == 2]
+    first_single = [(e["layer"], e["new"]) for e in single_cb.scale_events if e["step"] == 2]
+    # The same layers lifted from the same statistics; each replica carries half
+    # the batch's gradient (Keras divides the loss by the replicas), so a factor
+    # may be one power of 2 above one device's.
+    assert [layer for layer, _ in first] == [layer for layer, _ in first_single]
+    assert all(new / ref in (1.0, 2.0) for (_, new), (_, ref) in zip(first, first_single))
+    assert cb.events == single_cb.events == []
+    # one value of every factor (and all other optimizer state) on every replica
+    _assert_replicas_agree(model.optimizer.variables + model.weights)
+    for a, b in zip(model.weights, single.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-2, atol=2e-2, err_msg=a.path)
+
+
 # -- which strategies --------------------------------------------------------------
 
 @pytest.mark.parametrize("make", [

@@ -61,6 +61,7 @@ import tensorflow as tf
 
 from keras_mp import _installed, execution
 from keras_mp.adaptive import controller, float8, optimizer_setup, switching, tensorboard
+from keras_mp.adaptive.loss_scales import LossScales
 from keras_mp.adaptive import probe as probe_lib
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.hooks import Hooks
@@ -118,6 +119,10 @@ class AdaptivePrecision(keras.callbacks.Callback):
     Attributes:
         events: every switch made so far, as dicts with ``step``, ``layer``,
             ``old``, ``new`` and ``reason``.
+        scale_events: every loss-scale change the rule made (gradients that
+            underflowed with headroom), as dicts with ``step``, ``layer``
+            (None for the global scale; with per-layer loss scales, the path
+            of the layer whose own factor changed), ``old`` and ``new``.
 
     Use in a custom training loop: call :meth:`set_model` once (it wraps or
     observes ``model.optimizer``; use its ``scale_loss`` if it has one, and
@@ -166,6 +171,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self.log_dir = log_dir
         self.verbose = verbose
         self.events: list[dict[str, Any]] = []
+        self.scale_events: list[dict[str, Any]] = []
         self._functions: tuple | None = None
         self._writer = None
         self._policy: AdaptivePolicy | None = None
@@ -215,6 +221,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
             # them for on_epoch_begin to adopt.
             self._state.write(self._states(), policy.candidates, self._calls)
         optimizer = self._connect_optimizer(model)
+        self._scales = LossScales(optimizer, layers, hooks,
+                                  per_layer=self._per_layer(policy, optimizer))
+        self._scales.install(self._forward_order())
         execution.configure(model)  # XLA or graph: the faster measured here
         self._probe_fn = self._make_probe() if _is_keras_train_step(model) else None
         hooks.probe_fn = self._probe_fn
@@ -251,8 +260,18 @@ class AdaptivePrecision(keras.callbacks.Callback):
         inner = opt.inner_optimizer if isinstance(opt, keras.optimizers.LossScaleOptimizer) \
             else opt
         schedule = self.loss_scale if self.loss_scale is not None else "dynamic"
+        per_layer = self._policy.layer_loss_scales
         return optimizer_setup.replace_optimizer(
-            model, lambda: LossScaleOptimizer(inner, schedule=schedule))
+            model, lambda: LossScaleOptimizer(inner, schedule=schedule, layer_scales=per_layer))
+
+    def _per_layer(self, policy: AdaptivePolicy, opt) -> bool:
+        """Per-layer loss scales: asked for by the policy or the optimizer
+        (built here, so that its layers can be bound before the first step)."""
+        own = isinstance(opt, LossScaleOptimizer) and opt.layer_scales
+        if own and not opt.built:
+            with self.model.distribute_strategy.scope():
+                opt.build(self.model.trainable_variables)
+        return policy.layer_loss_scales or own
 
     def _make_probe(self):
         model, policy, layers = self.model, self._policy, self._layers
@@ -261,30 +280,17 @@ class AdaptivePrecision(keras.callbacks.Callback):
             opt = model.optimizer
             scale = opt.loss_scale if isinstance(opt, LossScaleOptimizer) else 1.0
             return probe_lib.probe(model, data, policy, layers, scale=scale,
-                                   trial=self._trial_dtypes())
+                                   trial=self._trial_dtypes(),
+                                   variable_factors=self._scales.variable_factors())
         return run
 
     def _trial_dtypes(self) -> dict[str, str]:
-        """Layers on trial, in the narrower dtype they are tried in."""
-        out = {}
-        for path, st in zip(self._paths, self._states()):
-            order = self._policy.candidates_for(path)
-            if st.trial and order.index(st.dtype) > 0:
-                out[path] = order[order.index(st.dtype) - 1]
-        return out
+        return switching.trial_dtypes(self._policy, self._paths, self._states())
 
     # -- state -------------------------------------------------------------
 
     def _states(self) -> list[controller.LayerState]:
-        out = []
-        for path in self._paths:
-            saved = self._policy.record(path).get("state")
-            dtype = self._policy.dtype_of(path)
-            if saved and saved.get("dtype") == dtype:
-                out.append(controller.LayerState(**saved))
-            else:
-                out.append(controller.LayerState(dtype))
-        return out
+        return switching.layer_states(self._policy, self._paths)
 
     def _restore_from_variables(self) -> None:
         """Adopts the state variables if they differ from the policy: a
@@ -318,6 +324,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         first call traces, later calls reuse that trace.
         """
         if self._functions is None:
+            self._scales.install(self._forward_order())
             model, opt, hooks, sink = self.model, self._optimizer, self._hooks, \
                 self._stats.accumulate
             own_sink = isinstance(opt, LossScaleOptimizer)
@@ -443,13 +450,17 @@ class AdaptivePrecision(keras.callbacks.Callback):
         policy = self._policy
         order = self._forward_order()
         states = self._states()
+        probes = self._probe_fn is not None and self.probe_every is not None
         decision = controller.decide(
             [interval.layers[i] for i in order], [states[i] for i in order],
             policy.candidates, policy.rule, all_nonfinite=interval.all_nonfinite,
             probe_steps=interval.probe_steps, probe_loss_error=interval.probe_loss_error,
             probe_loss_noise_ratio=interval.probe_loss_noise_ratio,
-            validate_demotions=self._probe_fn is not None and self.probe_every is not None,
-            float8_layers=[policy.is_float8(self._paths[i]) for i in order])
+            validate_demotions=probes, confirm_proxies=probes,
+            float8_layers=[policy.is_float8(self._paths[i]) for i in order],
+            **self._scales.arguments(order))
+        self.scale_events += self._scales.apply(decision, order, self._calls,
+                                                verbose=self.verbose)
         new_states = list(states)
         for k, st in zip(order, decision.states):
             new_states[k] = st
@@ -459,6 +470,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
                                verbose=self.verbose)
         trials_changed = [s.trial for s in states] != [s.trial for s in new_states]
         switching.write_records(policy, self._paths, new_states, interval, order)
+        self._scales.write_records(policy)
         self._state.write(new_states, policy.candidates, self._calls)
         self.events.extend(made)
         self._epoch_switches += len(made)
@@ -478,4 +490,5 @@ class AdaptivePrecision(keras.callbacks.Callback):
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         tensorboard.write_interval(self._writer, self._calls, self._policy, self._paths,
-                                   interval, len(made))
+                                   interval, len(made),
+                                   loss_scales=self._scales.layer_loss_scales())

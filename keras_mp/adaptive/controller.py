@@ -27,20 +27,34 @@ the next interval re-checks):
    non-finite layer is promoted (``nonfinite``). An isolated overflow at a
    too-large loss scale is the loss scaler's business (non-finite steps count
    only at the scale's floor).
-3. **Local trouble.** A float8 layer whose operands (inputs, kernel,
-   output gradient) were clipped at the E4M3/E5M2 limits in more than
-   ``max_float8_saturated`` of their elements (``float8_saturated``), or
-   rounded to zero in more than ``max_float8_flushed`` of their non-zero
-   elements (``float8_flushed``: typically an outlier that set the per-tensor
-   scale) is promoted; an amax that grew more than ``max_float8_growth``
-   times over its history (the scale lags) keeps a layer from being demoted
-   into float8 but does not by itself promote (the clipping it causes is
-   what harms, and is counted). **Underflow**: a float16 layer whose scaled gradients are float16
-   subnormals in more than ``max_fp16_subnormal`` of their elements, a
-   bfloat16 layer with more than ``max_bf16_subnormal`` below bfloat16's
-   normal range (``fp16_subnormal``, ``bf16_subnormal``), or a narrow layer
-   with more than ``max_flushed`` of its outputs flushed to subnormals
-   (``output_flushed``) is promoted.
+3. **Local trouble**, in the order of the evidence's strength. A float8
+   layer whose operands (inputs, kernel, output gradient) were clipped at the
+   E4M3/E5M2 limits in more than ``max_float8_saturated`` of their elements
+   (``float8_saturated``: out of range, a hard failure) is promoted at once;
+   an amax that grew more than ``max_float8_growth`` times over its history
+   (the scale lags) keeps a layer from being demoted into float8 but does
+   not by itself promote. **Underflow with headroom**: a float16 layer whose
+   scaled gradients are float16 subnormals (or below) in more than
+   ``max_fp16_subnormal`` of their elements, or whose largest scaled gradient
+   is below float16's smallest normal (the rest then reads as zeros) is
+   first answered by a larger
+   loss scale, where the caller passes ``loss_scale``: the global scale
+   grows by the largest power of 2 that every float16 layer's headroom
+   allows (:mod:`keras_mp.adaptive.scale_rule`), or with ``layer_scales``
+   the layer's own factor grows; no promotion. **Proxies**: such underflow
+   with no headroom left (``fp16_subnormal``), a bfloat16 layer with more
+   than ``max_bf16_subnormal`` of its gradients below bfloat16's normal
+   range (``bf16_subnormal``), a narrow layer with more than ``max_flushed``
+   of its outputs flushed to subnormals (``output_flushed``), a float8 layer
+   with more than ``max_float8_flushed`` of its non-zero operand elements
+   rounded to zero (``float8_flushed``) say that precision *may* be lost,
+   not that it is. Where probes run (``confirm_proxies``), the layer becomes
+   a **suspect** (a promotion trial, the mirror of the demotion trial): the
+   next probe measures it as it is, and it is promoted for that reason only
+   if its gradient error (or the loss error) exceeds ``hysteresis`` times the
+   probe thresholds and the sampling noise, i.e. if it is not at float32's
+   quality; otherwise the suspicion is dropped. Without probes a proxy
+   promotes at once.
 4. **Demotion.** Any other layer had a healthy interval. After ``patience``
    consecutive healthy intervals (doubled for each strike) and no cool-down
    left, a layer whose statistics fit the next narrower candidate with
@@ -88,9 +102,11 @@ import dataclasses
 from collections.abc import Sequence
 
 from keras_mp import _checks as checks
+from keras_mp.adaptive import scale_rule
 # The rule's inputs and outputs live in keras_mp.adaptive.rule; re-exported here.
-from keras_mp.adaptive.rule import (DTYPE_ORDER, Decision, DecisionRule, LayerState,  # noqa: F401
-                           LayerStats, Switch, sort_candidates)
+from keras_mp.adaptive.rule import (DTYPE_ORDER, PROXY_REASONS, Decision,  # noqa: F401
+                                   DecisionRule, LayerState, LayerStats, Switch,
+                                   sort_candidates)
 
 __all__ = ["decide"]
 
@@ -168,7 +184,11 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
            all_nonfinite: float = 0.0, probe_steps: float = 0,
            probe_loss_error: float = 0.0, probe_loss_noise_ratio: float = float("inf"),
            validate_demotions: bool = False,
-           float8_layers: Sequence[bool] | None = None) -> Decision:
+           float8_layers: Sequence[bool] | None = None,
+           loss_scale: float | None = None, max_loss_scale: float = 2.0**24,
+           layer_scales: Sequence[float] | None = None,
+           layer_groups: Sequence[int] | None = None,
+           confirm_proxies: bool | None = None) -> Decision:
     """Applies the rule (see the module docstring) to one interval.
 
     Args:
@@ -188,9 +208,30 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
         float8_layers: per layer, whether it may compute in ``"float8"``
             (Keras trains only ``Dense`` and ``EinsumDense`` in float8); the
             others choose among the other candidates. None: every layer may.
+        loss_scale: the current (global) loss scale, where the caller can
+            change it (a dynamic schedule); None: no loss scale to change,
+            float16 underflow is then a proxy like the others.
+        max_loss_scale: the largest scale the schedule allows.
+        layer_scales: per-layer loss scales: each layer's own factor (on
+            top of ``loss_scale``), in the same order; None: one global scale.
+        layer_groups: with ``layer_scales``, each layer's group: the layers
+            inside one boundary share its factor (-1: no factor of its own);
+            None: each layer its own.
+        confirm_proxies: a promotion from a proxy statistic (see
+            :data:`keras_mp.adaptive.rule.PROXY_REASONS`) waits for a probe
+            that confirms harm; None: as ``validate_demotions`` (whether
+            probes run).
 
     Returns:
-        A :class:`Decision`.
+        A :class:`Decision` (with the loss scales to set, if any).
+
+    Example, float16 underflow with headroom grows the loss scale instead:
+        >>> from keras_mp.adaptive.controller import LayerState, LayerStats, decide
+        >>> under = LayerStats(steps=5, fp16_subnormal=0.4, amax=0.01)
+        >>> d = decide([under], [LayerState("float16")], ("float16", "float32"),
+        ...            loss_scale=1.0)
+        >>> d.switches, d.loss_scale   # 0.01 * 2**18 * 16 <= 65504
+        ((), 262144.0)
 
     Example, a float32 layer demoted after its patience:
         >>> from keras_mp.adaptive.controller import DecisionRule, LayerState, LayerStats, decide
@@ -232,6 +273,8 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
             raise ValueError(f"A layer state's dtype must be one of its candidates {own}, "
                              f"got {s.dtype!r}.")
     checks.fraction("all_nonfinite", all_nonfinite)
+    if confirm_proxies is None:
+        confirm_proxies = validate_demotions
     if isinstance(probe_steps, bool) or not isinstance(probe_steps, (int, float)) \
             or probe_steps < 0:
         raise ValueError(f"`probe_steps` must be a number >= 0, got {probe_steps!r}.")
@@ -290,23 +333,41 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
                 last = next((i for i in reversed(with_grads) if can_widen(i)), None)
             if last is not None:
                 promote(last, "nonfinite")
-    # 3. underflow
+    # 3. local trouble: float8 clipping promotes at once; underflow is
+    # answered by a larger loss scale where the gradients have headroom;
+    # proxies wait for the probe to confirm harm (a promotion trial)
+    scales = scale_rule.Scales(stats, new, rule, loss_scale=loss_scale,
+                               max_loss_scale=max_loss_scale, layer_scales=layer_scales,
+                               layer_groups=layer_groups)
     for i in measured:
         if i in troubled:
             continue
         s, dtype = stats[i], new[i].dtype
         reason = _float8_trouble(s, rule) if dtype == "float8" else None
+        if reason == "float8_saturated":
+            troubled.add(i)
+            promote(i, reason)
+            continue
         if reason is not None:
             pass
-        elif s.gradients and dtype == "float16" and s.fp16_subnormal > rule.max_fp16_subnormal:
+        elif s.gradients and dtype == "float16" and (
+                s.fp16_subnormal + s.fp16_underflow > rule.max_fp16_subnormal
+                or scales.below_normal(i)):
+            troubled.add(i)
+            if scales.lift(i):
+                continue  # the loss scale grows instead
             reason = "fp16_subnormal"
         elif s.gradients and dtype == "bfloat16" and s.bf16_subnormal > rule.max_bf16_subnormal:
             reason = "bf16_subnormal"
         elif s.forward_steps and dtype != "float32" and s.out_flushed > rule.max_flushed:
             reason = "output_flushed"
-        if reason is not None:
-            troubled.add(i)
+        if reason is None:
+            continue
+        troubled.add(i)
+        if not confirm_proxies:
             promote(i, reason)
+        elif not new[i].suspect:
+            new[i] = dataclasses.replace(new[i], suspect=PROXY_REASONS.index(reason) + 1)
     # 5. probe: trials first, then rounding trouble
     trials = [i for i, st in enumerate(new) if st.trial]
     validated: set[int] = set()
@@ -316,6 +377,18 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
     if any(st.dtype == "float8" or (st.trial and narrower(i, st.dtype) == "float8")
            for i, st in enumerate(states)):
         probe_loss_error = 0.0
+    # promotion trials: the probe measured the suspect layers as they are
+    if probe_steps > 0:
+        loss_harm = _probe_bad([], probe_loss_error, probe_loss_noise_ratio, rule,
+                               rule.hysteresis)
+        for i, st in enumerate(new):
+            if not st.suspect:
+                continue
+            if loss_harm or _grad_bad(stats[i], rule, rule.hysteresis):
+                troubled.add(i)
+                promote(i, PROXY_REASONS[st.suspect - 1])
+            else:  # measured at float32's quality: the proxy is not taken
+                new[i] = dataclasses.replace(st, suspect=0)
     if probe_steps > 0 and trials:
         if troubled or _probe_bad(stats, probe_loss_error, probe_loss_noise_ratio, rule,
                                   rule.hysteresis):
@@ -331,7 +404,9 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
                 validated.add(i)
     elif probe_steps > 0 and not switches and _probe_bad(stats, probe_loss_error,
                                                          probe_loss_noise_ratio, rule):
-        narrow = [i for i in measured if can_widen(i) and stats[i].probe_steps]
+        # (not a layer whose scale just grew: the probe measured the old one)
+        narrow = [i for i in measured if can_widen(i) and stats[i].probe_steps
+                  and i not in scales.lifted]
         if not _probe_bad([], probe_loss_error, probe_loss_noise_ratio, rule):
             # The loss is fine but some gradients are not: the output-most of those.
             narrow = [i for i in narrow if _grad_bad(stats[i], rule)]
@@ -351,6 +426,7 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
         if i in troubled:
             new[i] = dataclasses.replace(st, healthy=0, cooldown=cooldown, trial=0)
             continue
+        st = dataclasses.replace(st, suspect=0)  # the proxy evidence is gone
         healthy = st.healthy + 1
         target = narrower(i, st.dtype)
         ready = (target is not None and cooldown == 0 and st.switches < rule.max_switches
@@ -367,4 +443,4 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
         else:
             new[i] = dataclasses.replace(st, healthy=healthy, cooldown=cooldown,
                                          trial=st.trial if ready else 0)
-    return Decision(tuple(new), tuple(switches))
+    return Decision(tuple(new), tuple(switches), *scales.result())

@@ -16,6 +16,14 @@ callables that Keras looks up when it traces a step:
   ``statistics_sink``): on a statistics trace, measures the gradients
   (:func:`keras_mp.scaling.kernels.gradient_statistics`) and hands them to the sink.
 
+With per-layer loss scales (:attr:`Hooks.layer_scale_of` set), the call of
+every layer in :attr:`Hooks.boundaries` (the controlled layers not inside
+another) runs between the boundaries of :mod:`keras_mp.scaling.layer_scales`
+in every training trace: its inputs are cast from the float32 tensors Keras
+cast them from, its outputs leave as float32, and its backward pass runs at
+its own factor; on a statistics trace the boundaries also record the largest
+gradient crossing them.
+
 Each wrapper checks a Python flag **when the step is traced**: the
 statistics and probe variants of the train function are separate traces (see
 :class:`keras_mp.callbacks.AdaptivePrecision`), and the plain trace contains
@@ -51,7 +59,7 @@ import tensorflow as tf
 
 from keras_mp._installed import install_method, installed
 from keras_mp.adaptive import float8, forward
-from keras_mp.scaling import kernels
+from keras_mp.scaling import kernels, layer_scales
 
 __all__ = ["Hooks"]
 
@@ -84,6 +92,10 @@ class Hooks:
         probe_fn: ``probe_fn(data)`` -> result tensors, set by the owner.
         call_order: layer indices in the order of their first call in the
             last statistics trace (the forward order), or empty.
+        layer_scale_of: per-layer loss scales: ``layer_scale_of(index)`` ->
+            the factor (a float32 scalar tensor) of the layer at ``index``,
+            read in the traced step; None: no boundaries.
+        boundaries: the indices of the layers that get boundaries.
     """
 
     def __init__(self, model: keras.Model, layers: Sequence[keras.layers.Layer]):
@@ -99,6 +111,8 @@ class Hooks:
         self.probe = False
         self.probe_fn: Callable | None = None
         self.call_order: list[int] = []
+        self.layer_scale_of: Callable[[int], tf.Tensor] | None = None
+        self.boundaries: set[int] = set()
         # Per (graph, thread): replicas of a MirroredStrategy trace the same
         # step in threads of their own.
         self._slots: dict[tuple[int, int], dict] = {}
@@ -156,6 +170,40 @@ class Hooks:
             seen[index] = vec if index not in seen else tf.maximum(seen[index], vec)
         return record
 
+    def _backward_recorder(self, index: int) -> Callable:
+        """Where a boundary of layer ``index`` records the largest finite
+        gradient crossing it (at the global scale) in the step being traced."""
+        def record(g: tf.Tensor) -> None:
+            a = tf.abs(tf.reshape(g, [-1]))
+            amax = tf.reduce_max(tf.where(tf.math.is_finite(a), a, 0.0))
+            seen = self._slot().setdefault("backward", {})
+            seen[index] = amax if index not in seen else tf.maximum(seen[index], amax)
+        return record
+
+    def _scaled(self, index: int, fn: Callable, args, kwargs, observe: bool):
+        """``fn(*args, **kwargs)`` between the layer's loss-scale boundaries."""
+        factor = tf.cast(self.layer_scale_of(index), tf.float32)
+        inverse = 1.0 / factor
+        record = self._backward_recorder(index) if observe else None
+
+        def enter(t):
+            if not isinstance(t, tf.Tensor) or not t.dtype.is_floating:
+                return t
+            out = layer_scales.boundary_in(layer_scales.cast_source(t), t.dtype, inverse,
+                                           record)
+            mask = getattr(t, "_keras_mask", None)
+            if mask is not None:
+                out._keras_mask = mask
+            return out
+
+        def leave(t):
+            if not isinstance(t, tf.Tensor) or not t.dtype.is_floating:
+                return t
+            return layer_scales.boundary_out(t, factor, record)
+
+        args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
+        return keras.tree.map_structure(leave, fn(*args, **kwargs))
+
     def _wrap_call(self, index: int, layer) -> None:
         # A float8-capable layer runs quantized_call (Keras dispatches on its
         # policy's quantization mode), whether float8 is on or off.
@@ -166,16 +214,24 @@ class Hooks:
         hooks = self
 
         def make(original):
-            @functools.wraps(original)
-            def call(*args, **kwargs):
-                if not (hooks.forward and _training()):
-                    return original(*args, **kwargs)
+            def observed(*args, **kwargs):
                 hooks._slot()  # starts the order anew on a new trace
                 if index not in hooks._order:
                     hooks._order.append(index)
                 outputs = original(*args, **kwargs)
                 hooks._observe(index, layer, args, kwargs, outputs)
                 return outputs
+
+            @functools.wraps(original)
+            def call(*args, **kwargs):
+                training = _training()
+                observe = hooks.forward and training
+                if training and hooks.layer_scale_of is not None and index in hooks.boundaries:
+                    return hooks._scaled(index, observed if observe else original, args,
+                                         kwargs, observe)
+                if not observe:
+                    return original(*args, **kwargs)
+                return observed(*args, **kwargs)
             return call
 
         install_method(layer, name, make)
@@ -213,30 +269,35 @@ class Hooks:
 
         install_method(optimizer, "apply", make)
 
-    def take(self) -> tuple[tf.Tensor | None, tf.Tensor | None, object]:
+    def take(self) -> tuple[tf.Tensor | None, tf.Tensor | None, object, tf.Tensor | None]:
         """What the step being traced recorded, and forgets it.
 
         Returns:
-            ``(forward, observed, probe)``: forward statistics as a
+            ``(forward, observed, probe, backward)``: forward statistics as a
             ``[len(layers), len(forward.FIELDS)]`` tensor (zeros where a layer
             was not called) and a ``[len(layers)]`` 0/1 tensor saying which
-            were; or ``(None, None, probe)`` if nothing was recorded; ``probe``
-            is what ``probe_fn`` returned, or None.
+            were, or None, None if nothing was recorded; ``probe`` is what
+            ``probe_fn`` returned, or None; ``backward`` the largest gradient
+            at each layer's loss-scale boundaries (``[len(layers)]``, at the
+            global scale), or None.
         """
         pending = self._slots.pop((id(_current_graph()), threading.get_ident()), {})
+        back = pending.get("backward", {})
+        backward = tf.stack([back.get(i, tf.constant(0.0)) for i in range(len(self.layers))]) \
+            if back else None
         if "forward" not in pending and "probe" not in pending:
-            return None, None, None
+            return None, None, None, backward
         seen = pending.get("forward", {})
         f8 = pending.get("float8", {})
         probe = pending.get("probe", None)
         if self._order:
             self.call_order = list(self._order)
         if not seen:
-            return None, None, probe
+            return None, None, probe, backward
         zeros = tf.zeros([len(forward.FIELDS)])
         rows = [seen.get(i, zeros) for i in range(len(self.layers))]
         rows = tf.stack([forward.with_float8(r, f8[i]) if i in f8 else r
                          for i, r in enumerate(rows)])
         observed = tf.constant([1.0 if i in seen else 0.0 for i in range(len(self.layers))])
-        return rows, observed, probe
+        return rows, observed, probe, backward
 

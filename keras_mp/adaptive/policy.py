@@ -91,6 +91,13 @@ class AdaptivePolicy(DTypePolicyMap):
             config) for the float8 layers; the defaults are Keras's.
         float8: layer path -> dtype of each float8-capable layer (restored
             from a config; :func:`keras_mp.adaptive.float8.prepare` adds them).
+        layer_loss_scales: per-layer loss scales (needs ``"float16"`` among
+            the candidates): every controlled layer not inside another runs
+            its backward pass at the global loss scale times a factor of its
+            own, chosen from its gradient statistics, so layers whose
+            gradients lie further apart than float16's range all stay in
+            float16 (see :mod:`keras_mp.scaling.layer_scales`). The optimizer
+            becomes a ``keras_mp.LossScaleOptimizer(..., layer_scales=True)``.
 
     Example:
         >>> from keras_mp import AdaptivePolicy
@@ -111,10 +118,18 @@ class AdaptivePolicy(DTypePolicyMap):
                  policies: dict[str, Any] | None = None,
                  records: dict[str, dict[str, Any]] | None = None,
                  float8_recipe: Float8Recipe | dict | None = None,
-                 float8: dict[str, str] | None = None):
+                 float8: dict[str, str] | None = None,
+                 layer_loss_scales: bool = False):
         if candidates is None:
             candidates = device.default_candidates()
         self._candidates = sort_candidates(candidates)
+        if not isinstance(layer_loss_scales, bool):
+            raise ValueError("`layer_loss_scales` must be True or False, got "
+                             f"{layer_loss_scales!r}.")
+        if layer_loss_scales and "float16" not in self._candidates:
+            raise ValueError("`layer_loss_scales`=True needs 'float16' among the candidates "
+                             f"(only float16 is loss-scaled), got {self._candidates}.")
+        self.layer_loss_scales = layer_loss_scales
         self.float8_recipe = checks.object_or_config(
             "float8_recipe", float8_recipe, Float8Recipe, "keras_mp.adaptive.float8.Float8Recipe")
         self.rule = checks.object_or_config("rule", rule, DecisionRule,
@@ -374,6 +389,7 @@ class AdaptivePolicy(DTypePolicyMap):
             "records": copy.deepcopy(self.records),
             "float8_recipe": self.float8_recipe.get_config(),
             "float8": self.float8_layers(),
+            "layer_loss_scales": self.layer_loss_scales,
         }
 
     @classmethod

@@ -53,7 +53,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import keras
@@ -92,7 +92,7 @@ class ProbeResult(NamedTuple):
     grad_noise_ratio: tf.Tensor
 
 
-def _loss_and_grads(model, x, y, sample_weight, scale, tvars):
+def _loss_and_grads(model, x, y, sample_weight, scale, tvars, factors=None):
     from keras.src.backend.common.stateless_scope import StatelessScope
 
     with StatelessScope():  # nothing is applied: weights, slots, statistics, seeds
@@ -114,12 +114,15 @@ def _loss_and_grads(model, x, y, sample_weight, scale, tvars):
         if isinstance(g, tf.IndexedSlices):
             g = tf.convert_to_tensor(g)
         out.append(tf.cast(g, tf.float32) / scale)
+    if factors is not None:  # per-layer loss scales: each layer's own factor too
+        out = [g / factors[k] for k, g in enumerate(out)]
     return loss, out
 
 
 def probe(model: keras.Model, data, policy: AdaptivePolicy,
           layers: Sequence[keras.layers.Layer], *, scale=1.0,
-          trial: Mapping[str, str] | None = None) -> ProbeResult:
+          trial: Mapping[str, str] | None = None,
+          variable_factors: Callable | None = None) -> ProbeResult:
     """Runs the probe on one batch (inside a traced step; see the module docstring).
 
     Args:
@@ -132,6 +135,9 @@ def probe(model: keras.Model, data, policy: AdaptivePolicy,
             underflow without it).
         trial: layer path -> dtype for layers tried in another dtype than
             their current one.
+        variable_factors: with per-layer loss scales, ``variable_factors(variables)``
+            -> each variable's own factor (its gradients carry ``scale`` times
+            it, in every pass); None: none.
 
     Returns:
         A :class:`ProbeResult`.
@@ -143,14 +149,19 @@ def probe(model: keras.Model, data, policy: AdaptivePolicy,
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     tvars = [v for v in model.trainable_variables
              if not getattr(v, "overwrite_with_gradient", False)]
+    if variable_factors is not None and not callable(variable_factors):
+        raise TypeError(f"`variable_factors` must be None or a callable, got "
+                        f"{variable_factors!r}.")
     scale = tf.cast(tf.convert_to_tensor(scale), tf.float32)
+    factors = variable_factors(tvars) if variable_factors is not None and tvars else None
     with policy.overriding(dict(trial or {})):
-        loss, grads = _loss_and_grads(model, x, y, sample_weight, scale, tvars)
+        loss, grads = _loss_and_grads(model, x, y, sample_weight, scale, tvars, factors)
     paths = [layer.path for layer in layers]
     with policy.overriding({p: "float32" for p in paths}):
-        loss32, grads32 = _loss_and_grads(model, x, y, sample_weight, tf.constant(1.0), tvars)
+        loss32, grads32 = _loss_and_grads(model, x, y, sample_weight, tf.constant(1.0), tvars,
+                                          factors)
         half = _first_half((x, y, sample_weight))
-        loss_h, grads_h = _loss_and_grads(model, *half, tf.constant(1.0), tvars)
+        loss_h, grads_h = _loss_and_grads(model, *half, tf.constant(1.0), tvars, factors)
 
     n = len(layers)
     owner: dict[str, int] = {}
@@ -175,7 +186,9 @@ def probe(model: keras.Model, data, policy: AdaptivePolicy,
     diff2, ref2, own2, dot, noise2 = sums
     measured = tf.constant([1.0 if learned_variables(layer) else 0.0 for layer in layers])
     grad_error = tf.sqrt(diff2) / tf.maximum(tf.sqrt(ref2), _TINY) * measured
-    cosine = tf.where(measured > 0, dot / tf.maximum(tf.sqrt(own2 * ref2), _TINY), 1.0)
+    # sqrt of each: the product of two squared norms of tiny gradients underflows
+    cosine = tf.where(measured > 0, dot / tf.maximum(tf.sqrt(own2) * tf.sqrt(ref2), _TINY),
+                      1.0)
     loss_error = tf.abs(loss - loss32) / tf.maximum(tf.abs(loss32), _TINY)
     # Capped: a batch whose halves agree exactly has no measurable noise.
     loss_ratio = tf.minimum(tf.abs(loss - loss32) / tf.maximum(tf.abs(loss_h - loss32), _TINY),

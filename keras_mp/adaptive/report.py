@@ -57,6 +57,9 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     ("grad_error", "probe err", "probe",
      "float32 probe: relative error of the layer's gradient in its dtype vs float32"),
     ("cosine", "probe cos", "probe", "float32 probe: cosine of the gradient vs float32"),
+    ("loss_scale", "loss scale", "scale",
+     "float16: the loss scale the layer's gradients carry (the global scale, times the "
+     "layer's own factor with per-layer loss scales)"),
 )
 
 
@@ -71,11 +74,13 @@ def _cell(value: Any) -> str:
 def _measured(stats: dict[str, Any] | None) -> dict[str, bool]:
     """Which evidence the last interval collected for a layer."""
     if not stats:
-        return {"gradients": False, "forward": False, "probe": False, "float8": False}
+        return {"gradients": False, "forward": False, "probe": False, "float8": False,
+                "scale": False}
     return {"gradients": bool(stats.get("gradients", True)) and stats.get("steps", 0) > 0,
             "forward": stats.get("forward_steps", 0) > 0,
             "probe": stats.get("probe_steps", 0) > 0,
-            "float8": stats.get("forward_steps", 0) > 0 and bool(stats.get("float8"))}
+            "float8": stats.get("forward_steps", 0) > 0 and bool(stats.get("float8")),
+            "scale": stats.get("loss_scale") is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +99,9 @@ class PrecisionReport:
             interval collected: ``gradients``, ``forward``, ``probe``,
             ``float8``),
             ``probe`` (the last probe's errors and whether they mark the layer
-            sensitive, or None), ``state`` (the controller's, or None),
+            sensitive, or None), ``loss_scale`` (float16: the loss scale its
+            gradients carried at the last decision, or None), ``state`` (the
+            controller's, or None),
             ``switches`` and ``history`` (switch dicts with ``step``, ``old``,
             ``new``, ``reason``).
     """
@@ -113,8 +120,10 @@ class PrecisionReport:
         return {r["layer"]: r["dtype"] for r in self.rows}
 
     def _columns(self):
-        # The float8 columns only where float8 is a candidate.
-        return [c for c in COLUMNS if c[2] != "float8" or "float8" in self.candidates]
+        # The float8 columns only where float8 is a candidate, the loss scale
+        # only where float16 is.
+        return [c for c in COLUMNS if (c[2] != "float8" or "float8" in self.candidates)
+                and (c[2] != "scale" or "float16" in self.candidates)]
 
     def __str__(self) -> str:
         head = f"policy: {self.policy}"
@@ -182,6 +191,7 @@ def precision_report(model: keras.Model) -> PrecisionReport:
         float8_capable = policy is not None and policy.is_float8(layer.path)
         if stats is not None:
             stats["float8"] = float8_capable
+            stats["loss_scale"] = record.get("loss_scale")
         rows.append({
             "layer": layer.path or layer.name,
             "class": type(layer).__name__,
@@ -191,6 +201,7 @@ def precision_report(model: keras.Model) -> PrecisionReport:
             "stats": stats,
             "measured": _measured(stats),
             "probe": dict(record["probe"]) if record.get("probe") else None,
+            "loss_scale": record.get("loss_scale"),
             "state": dict(state) if state else None,
             "switches": int(state["switches"]) if state else 0,
             "history": [dict(h) for h in record.get("history", [])],

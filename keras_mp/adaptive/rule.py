@@ -18,11 +18,18 @@ from typing import Any
 
 from keras_mp import _checks as checks
 
-__all__ = ["DTYPE_ORDER", "DecisionRule", "LayerStats", "LayerState", "Switch", "Decision",
-           "sort_candidates"]
+__all__ = ["DTYPE_ORDER", "PROXY_REASONS", "DecisionRule", "LayerStats", "LayerState", "Switch",
+           "Decision", "sort_candidates"]
 
 #: Candidate dtypes from narrowest (cheapest, least range) to widest.
 DTYPE_ORDER: tuple[str, ...] = ("float8", "float16", "bfloat16", "float32")
+
+#: Promotion reasons that come from proxy statistics (elements near or below
+#: a dtype's smallest normal number): where a probe runs, it must confirm harm
+#: before such a promotion is made (a promotion trial). ``LayerState.suspect``
+#: holds the 1-based index of the reason under trial.
+PROXY_REASONS: tuple[str, ...] = ("fp16_subnormal", "bf16_subnormal", "output_flushed",
+                                  "float8_flushed")
 
 
 def sort_candidates(candidates: Sequence[str]) -> tuple[str, ...]:
@@ -85,6 +92,9 @@ class DecisionRule:
             demoted, >= 0.
         max_switches: switches after which a layer is never demoted, >= 1.
         max_strikes: promotions after which a layer is pinned, >= 1.
+        scale_headroom: underflow is answered by a larger loss scale (the
+            global one, or the layer's own) only as far as leaves the largest
+            gradient this factor below float16's largest value (> 1).
 
     Example:
         >>> DecisionRule(patience=4).get_config()["patience"]
@@ -107,6 +117,7 @@ class DecisionRule:
     cooldown: int = 2
     max_switches: int = 4
     max_strikes: int = 2
+    scale_headroom: float = 16.0
 
     def __post_init__(self):
         for name in ("max_nonfinite", "max_fp16_subnormal", "max_bf16_subnormal", "max_near_max",
@@ -125,6 +136,10 @@ class DecisionRule:
         checks.count("cooldown", self.cooldown, 0)
         checks.count("max_switches", self.max_switches, 1)
         checks.count("max_strikes", self.max_strikes, 1)
+        checks.positive("scale_headroom", self.scale_headroom)
+        if self.scale_headroom <= 1:
+            raise ValueError("`scale_headroom` must be a number > 1, got "
+                             f"{self.scale_headroom!r}.")
 
     def get_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -166,6 +181,10 @@ class LayerStats:
         grad_noise_ratio: mean ratio of that error to the gradient's sampling
             noise (how far half the batch moves it); inf: not measured, the
             relative error decides alone.
+        backward_amax: with per-layer loss scales, the largest unscaled
+            magnitude of the gradients entering and leaving the layer at its
+            boundaries (its activation gradients), over the interval; 0: not
+            measured.
     """
 
     steps: int = 0
@@ -191,6 +210,7 @@ class LayerStats:
     grad_error: float = 0.0
     cosine: float = 1.0
     grad_noise_ratio: float = float("inf")
+    backward_amax: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +225,9 @@ class LayerState:
         strikes: promotions and failed trials so far.
         trial: 1 while the layer is on trial for a demotion (the next probe
             runs it in the next narrower candidate), else 0.
+        suspect: while a proxy statistic asks for a promotion that the next
+            probe must confirm (a promotion trial), the 1-based index of that
+            reason in :data:`PROXY_REASONS`; else 0.
     """
 
     dtype: str
@@ -213,12 +236,16 @@ class LayerState:
     switches: int = 0
     strikes: int = 0
     trial: int = 0
+    suspect: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPE_ORDER:
             raise ValueError(f"`dtype` must be one of {DTYPE_ORDER}, got {self.dtype!r}.")
-        for name in ("healthy", "cooldown", "switches", "strikes", "trial"):
+        for name in ("healthy", "cooldown", "switches", "strikes", "trial", "suspect"):
             checks.count(name, getattr(self, name), 0)
+        if self.suspect > len(PROXY_REASONS):
+            raise ValueError(f"`suspect` must be in [0, {len(PROXY_REASONS)}], got "
+                             f"{self.suspect!r}.")
 
     def get_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -236,7 +263,19 @@ class Switch:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """The answer of :func:`decide`: every layer's next state, and the switches."""
+    """The answer of :func:`decide`: every layer's next state, the switches,
+    and the loss scales to set (None: leave them).
+
+    Attributes:
+        states: every layer's next :class:`LayerState`.
+        switches: the dtype changes, as :class:`Switch` es.
+        loss_scale: the new global loss scale (gradients underflowed and
+            every float16 layer has headroom), or None.
+        layer_scales: every layer's own loss-scale factor after the decision
+            (per-layer loss scales), or None.
+    """
 
     states: tuple[LayerState, ...]
     switches: tuple[Switch, ...]
+    loss_scale: float | None = None
+    layer_scales: tuple[float, ...] | None = None

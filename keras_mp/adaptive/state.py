@@ -18,6 +18,8 @@ from keras_mp.adaptive import controller
 __all__ = ["STATE_FIELDS", "PrecisionState"]
 
 #: The :class:`keras_mp.adaptive.controller.LayerState` fields, in table-row order.
+#: The ``trial`` row also carries ``suspect`` (``trial + 2 * suspect``: a layer
+#: is never on both trials), so tables saved before promotion trials load.
 STATE_FIELDS = ("dtype", "healthy", "cooldown", "switches", "strikes", "trial")
 
 
@@ -40,7 +42,8 @@ class PrecisionState(keras.layers.Layer):
     def write(self, states: list[controller.LayerState], candidates: tuple[str, ...],
               calls: int) -> None:
         rows = [[candidates.index(s.dtype) for s in states]]
-        rows += [[getattr(s, f) for s in states] for f in STATE_FIELDS[1:]]
+        rows += [[getattr(s, f) for s in states] for f in STATE_FIELDS[1:-1]]
+        rows.append([s.trial + 2 * s.suspect for s in states])
         self.table.assign(np.asarray(rows, np.int32))
         self.calls.assign(calls)
         self._last = (list(states), calls)
@@ -55,7 +58,8 @@ class PrecisionState(keras.layers.Layer):
         table = np.asarray(keras.ops.convert_to_numpy(self.table))
         states = [controller.LayerState(
             candidates[min(int(table[0, i]), len(candidates) - 1)],
-            *(int(table[j, i]) for j in range(1, len(STATE_FIELDS))))
+            *(int(table[j, i]) for j in range(1, len(STATE_FIELDS) - 1)),
+            trial=int(table[-1, i]) % 2, suspect=int(table[-1, i]) // 2)
             for i in range(len(self.paths))]
         calls = int(keras.ops.convert_to_numpy(self.calls))
         self._last = (states, calls)

@@ -224,13 +224,17 @@ class LayerStatistics(keras.layers.Layer):
                                           **kw)
         self.probe_counters = self.add_weight(shape=(3,), initializer="zeros",
                                               name="probe_counters", **kw)
+        # per-layer loss scales: largest unscaled gradient at each layer boundary
+        self.backward_amax = self.add_weight(shape=(n,), initializer="zeros",
+                                             name="backward_amax", **kw)
         self.built = True
 
     def _variables_of_state(self):
         return (self.fraction_sums, self.nonfinite_steps, self.amax, self.counters,
-                self.forward_sums, self.probe_sums, self.probe_counters)
+                self.forward_sums, self.probe_sums, self.probe_counters, self.backward_amax)
 
-    def accumulate(self, stats: kernels.GradientStatistics, scale, variables) -> None:
+    def accumulate(self, stats: kernels.GradientStatistics, scale, variables, *,
+                   factors=None) -> None:
         """The optimizer's ``statistics_sink``: adds one step's statistics.
 
         Runs in replica context inside the train step; takes what
@@ -241,6 +245,9 @@ class LayerStatistics(keras.layers.Layer):
             stats: per-gradient statistics, each field of shape ``[len(variables)]``.
             scale: the loss scale of the step.
             variables: the variables the gradients belong to.
+            factors: with per-layer loss scales, each variable's own factor
+                (``[len(variables)]``): a non-finite gradient whose factor is
+                above 1 is the per-layer scale's to fix, and does not count.
         """
         n = len(self.paths)
         owner = [self._owner.get(variable_path(v), n) for v in variables]  # n: nobody's
@@ -252,6 +259,8 @@ class LayerStatistics(keras.layers.Layer):
         fr = tf.math.unsorted_segment_sum(fr * size[:, None], seg, n + 1)[:n]
         fr = tf.transpose(fr / tf.maximum(layer_size, 1.0)[:, None])  # [F, n]
         bad = tf.cast(tf.cast(stats.nonfinite, tf.float32) > 0.0, tf.float32)
+        if factors is not None:
+            bad = bad * tf.cast(tf.cast(factors, tf.float32) <= 1.0, tf.float32)
         bad = tf.maximum(tf.math.unsorted_segment_max(bad, seg, n + 1)[:n], 0.0)
         amax = tf.maximum(tf.math.unsorted_segment_max(
             tf.cast(stats.amax, tf.float32), seg, n + 1)[:n], 0.0)
@@ -264,7 +273,9 @@ class LayerStatistics(keras.layers.Layer):
         # "every layer": every layer with gradients
         everywhere = tf.reduce_min(tf.where(with_grads > 0, bad, 1.0))
 
-        fwd, observed, probe = self.hooks.take() if self.hooks is not None else (None, None, None)
+        fwd, observed, probe, backward = self.hooks.take() if self.hooks is not None \
+            else (None, None, None, None)
+        backward = tf.zeros([n]) if backward is None else backward / scale[0]
         if fwd is None:
             fwd = tf.zeros([n, len(forward.FIELDS)])
             observed = tf.zeros([n])
@@ -275,10 +286,10 @@ class LayerStatistics(keras.layers.Layer):
         else:
             p_counts, p_layers = _probe_rows(probe)
         (fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, p_counts,
-         p_layers) = agree([
+         p_layers, backward) = agree([
             (fr, "mean"), (bad, "max"), (amax, "max"), (everywhere, "max"), (scale, "mean"),
             (fwd[:k_max], "max"), (fwd[k_max:], "max"), (observed, "max"), (p_counts, "mean"),
-            (p_layers, "mean")])
+            (p_layers, "mean"), (backward, "max")])
         self.fraction_sums.assign_add(fr)
         self.nonfinite_steps.assign_add(bad)
         self.amax.assign(tf.maximum(self.amax.value, amax))
@@ -289,6 +300,7 @@ class LayerStatistics(keras.layers.Layer):
             0))
         self.probe_sums.assign_add(p_layers)
         self.probe_counters.assign_add(p_counts)
+        self.backward_amax.assign(tf.maximum(self.backward_amax.value, backward))
 
     def accumulate_probe(self, result) -> None:
         """Adds one probe's results (a :class:`keras_mp.adaptive.probe.ProbeResult`)
@@ -300,8 +312,8 @@ class LayerStatistics(keras.layers.Layer):
     def read(self) -> IntervalStats:
         """The statistics accumulated since the last :meth:`reset` (reads the
         device once)."""
-        fr, bad, amax, counters, fw, ps, pc = (np.asarray(keras.ops.convert_to_numpy(v))
-                                               for v in self._variables_of_state())
+        fr, bad, amax, counters, fw, ps, pc, bw = (np.asarray(keras.ops.convert_to_numpy(v))
+                                                   for v in self._variables_of_state())
         steps = int(round(float(counters[0])))
         d = max(steps, 1)
         probes = int(round(float(pc[0])))
@@ -321,7 +333,8 @@ class LayerStatistics(keras.layers.Layer):
                 probe_steps=probes if grads else 0,
                 grad_error=float(ps[0, i]) / dp if grads else 0.0,
                 cosine=float(ps[1, i]) / dp if grads and probes else 1.0,
-                grad_noise_ratio=float(ps[2, i]) / dp if grads else 0.0))
+                grad_noise_ratio=float(ps[2, i]) / dp if grads else 0.0,
+                backward_amax=float(bw[i])))
         return IntervalStats(steps=steps, all_nonfinite=float(counters[1]) / d,
                              mean_scale=float(counters[2]) / d, paths=self.paths,
                              layers=tuple(layers), probe_steps=probes,

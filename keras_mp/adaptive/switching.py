@@ -28,7 +28,8 @@ from keras_mp.adaptive import controller
 from keras_mp.adaptive.policy import AdaptivePolicy
 from keras_mp.adaptive.stats import IntervalStats
 
-__all__ = ["refresh", "with_parents", "apply", "write_records"]
+__all__ = ["refresh", "with_parents", "apply", "write_records", "layer_states",
+           "trial_dtypes"]
 
 #: A switch as the callback hands it on: (layer index, old dtype, new dtype, reason).
 Switch = tuple[int, str, str, str]
@@ -49,6 +50,33 @@ def refresh(layer: keras.layers.Layer) -> None:
 def _check_policy(policy) -> None:
     if not isinstance(policy, AdaptivePolicy):
         raise TypeError(f"`policy` must be a keras_mp.AdaptivePolicy, got {policy!r}.")
+
+
+def layer_states(policy: AdaptivePolicy, paths: Sequence[str]) -> list[controller.LayerState]:
+    """Each layer's controller state, as its record in ``policy`` holds it
+    (a fresh one where the record is missing or its dtype is not the layer's)."""
+    _check_policy(policy)
+    out = []
+    for path in paths:
+        saved = policy.record(path).get("state")
+        dtype = policy.dtype_of(path)
+        if saved and saved.get("dtype") == dtype:
+            out.append(controller.LayerState(**saved))
+        else:
+            out.append(controller.LayerState(dtype))
+    return out
+
+
+def trial_dtypes(policy: AdaptivePolicy, paths: Sequence[str],
+                 states: Sequence[controller.LayerState]) -> dict[str, str]:
+    """Layers on trial for a demotion, in the narrower dtype they are tried in."""
+    _check_policy(policy)
+    out = {}
+    for path, st in zip(paths, states):
+        order = policy.candidates_for(path)
+        if st.trial and order.index(st.dtype) > 0:
+            out[path] = order[order.index(st.dtype) - 1]
+    return out
 
 
 def with_parents(policy: AdaptivePolicy, paths: Sequence[str], switches: Sequence[Switch],

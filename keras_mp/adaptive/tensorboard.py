@@ -7,7 +7,8 @@ Per decision: ``precision/switches``, ``precision/loss_scale`` and, after a
 probe, ``precision/probe_loss_error`` and ``precision/probe_loss_noise_ratio``;
 per layer ``precision/{path}/bits`` (8, 16 or 32) and its evidence (forward
 statistics; gradient statistics where it has gradients; probe errors where
-probed; float8 evidence for float8-capable layers).
+probed; float8 evidence for float8-capable layers) and, with per-layer loss
+scales, ``precision/{path}/loss_scale`` (the scale its gradients carry).
 
 Example:
     >>> import tempfile, tensorflow as tf
@@ -49,7 +50,7 @@ def _scalar(tag: str, value: float) -> None:
 
 
 def write_interval(writer, step: int, policy, paths: Sequence[str], interval,
-                   switches: int) -> None:
+                   switches: int, *, loss_scales: Sequence[float] | None = None) -> None:
     """Writes one decision's scalars (see the module docstring).
 
     Args:
@@ -59,9 +60,14 @@ def write_interval(writer, step: int, policy, paths: Sequence[str], interval,
         paths: the controlled layers' paths, as in ``interval``.
         interval: the :class:`keras_mp.adaptive.stats.IntervalStats` decided on.
         switches: how many switches the decision made.
+        loss_scales: with per-layer loss scales, the scale each layer's
+            gradients carry, as ``paths``; None: one global scale.
     """
     if not isinstance(interval, IntervalStats):
         raise TypeError(f"`interval` must be a keras_mp.adaptive.stats.IntervalStats, got {interval!r}.")
+    if loss_scales is not None and len(loss_scales) != len(paths):
+        raise ValueError(f"`loss_scales` must hold one scale per path ({len(paths)}), got "
+                         f"{loss_scales!r}.")
     with writer.as_default(step=step):
         _scalar("precision/switches", switches)
         _scalar("precision/loss_scale", interval.mean_scale)
@@ -79,3 +85,5 @@ def write_interval(writer, step: int, policy, paths: Sequence[str], interval,
                 keys += list(float8.FIELDS)
             for key in keys:
                 _scalar(f"precision/{path}/{key}", getattr(stats, key))
+        for path, scale in zip(paths, loss_scales or ()):
+            _scalar(f"precision/{path}/loss_scale", scale)

@@ -12,9 +12,11 @@ and steps:
 * Keras's static ``mixed_float16``: the inputs are inf in float16, every
   step is non-finite and skipped, the model stays at chance;
 * ``AdaptivePolicy(candidates=("float16", "float32"))`` with
-  :class:`keras_mp.callbacks.AdaptivePrecision`: the controller sees every
-  layer non-finite at the loss scale's floor, promotes the input layer to
-  float32, and the rest keeps training in float16.
+  :class:`keras_mp.callbacks.AdaptivePrecision`: the forward statistics see
+  the input layer's input beyond float16, it is promoted to float32, the
+  rest keeps training in float16, and the loss scale, which the overflowing
+  steps drove down, comes back to where it was before them (the plot's
+  loss-scale panel; dotted lines mark the promotions).
 
 Part 2, this device: :func:`keras_mp.device.profile`'s measured matmul
 throughput per dtype, and the dtypes ``"adaptive"`` therefore picks here,
@@ -45,6 +47,9 @@ VARIANTS = ("float32", "mixed_float16", "adaptive_float16")
 _LABELS = {"float32": "float32", "mixed_float16": "static mixed_float16",
            "adaptive_float16": "adaptive float16/float32"}
 _REASONS = {
+    "input_range": "the layer's input beyond float16's range (forward statistics); once it "
+                   "computes in float32 the loss scale comes back to where it was before "
+                   "the overflowing steps",
     "nonfinite_everywhere": "every layer non-finite at the loss scale's floor, so the "
                             "loss overflowed: the input-most 16-bit layer is promoted",
     "nonfinite": "the layer's gradients non-finite at the loss scale's floor",
@@ -262,9 +267,13 @@ def _plot(path: str, result: DemoResult) -> str:
     acc_ax.set(xlabel="epoch", ylabel="held-out accuracy", title="accuracy", ylim=(0, 1))
     scale_ax.set(xlabel="step", ylabel="loss scale", title="loss scale")
     scale_ax.set_yscale("log", base=2)
+    adaptive = result.runs["adaptive_float16"]
+    for k, event in enumerate(e for e in adaptive.events if e["old"] != "float32"):
+        # the promotions: after each, the loss scale comes back
+        scale_ax.axvline(event["step"], color=colors["adaptive_float16"], linestyle=":",
+                         linewidth=1, label="promotion (adaptive)" if k == 0 else None)
     for ax in (loss_ax, acc_ax, scale_ax):
         ax.legend(fontsize=8)
-    adaptive = result.runs["adaptive_float16"]
     names = list(adaptive.dtypes)
     bits = np.array([[{"float16": 16, "bfloat16": 16}.get(d, 32) for d in adaptive.dtypes[n]]
                      for n in names])
@@ -328,22 +337,26 @@ def run_demo(epochs: int = 4, batch_size: int = 32, out_dir: str | None = ".",
 
 
 def _scales(run: DemoRun) -> str:
+    """First -> lowest -> last loss scale (the lowest only where it differs)."""
     if not run.loss_scales:
         return "none"
-    return f"{run.loss_scales[0]:g} -> {run.loss_scales[-1]:g}"
+    first, low, last = run.loss_scales[0], min(run.loss_scales), run.loss_scales[-1]
+    if low < min(first, last):
+        return f"{first:g} -> {low:g} -> {last:g}"
+    return f"{first:g} -> {last:g}"
 
 
 def format_result(r: DemoResult) -> str:
     """The demo's summary as text."""
     lines = ["", "keras-mp demo, part 1: a run static float16 loses, rescued by adaptive "
                  "precision", "",
-             f"{'variant':<26}{'accuracy':>9}  {'skipped steps':>13}  {'loss scale':<15}"
+             f"{'variant':<26}{'accuracy':>9}  {'skipped steps':>13}  {'loss scale':<24}"
              "layers in 16 bits"]
     for variant, run in r.runs.items():
         final = run.final_dtypes
         narrow = [n for n, d in final.items() if d in ("float16", "bfloat16")]
         lines.append(f"{_LABELS[variant]:<26}{run.accuracy:>9.3f}  "
-                     f"{f'{run.skipped_steps}/{run.steps}':>13}  {_scales(run):<15}"
+                     f"{f'{run.skipped_steps}/{run.steps}':>13}  {_scales(run):<23} "
                      f"{len(narrow)}/{len(final)} {', '.join(narrow)}")
     adaptive = r.runs["adaptive_float16"]
     lines += ["", "Switches made by AdaptivePrecision (interval 5 steps):"]
@@ -360,7 +373,8 @@ def format_result(r: DemoResult) -> str:
         summary = (f"Static mixed_float16 skipped {static.skipped_steps} of {static.steps} "
                    "steps (its inputs are beyond float16's range) and ends near chance; "
                    "adaptive precision moved the layer that overflows to float32, kept the "
-                   "others in float16 and reached float32's accuracy.")
+                   "others in float16, brought the loss scale back and reached float32's "
+                   "accuracy.")
     else:
         summary = "No rescue in this run: see the accuracies above."
     lines += ["", textwrap.fill(summary, 92)]

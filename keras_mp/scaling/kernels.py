@@ -88,7 +88,27 @@ def _scale_tensor(scale) -> tf.Tensor:
     # value so that traces never outlive the optimizer that owns it.
     if isinstance(scale, keras.Variable):
         scale = scale.value
-    return tf.cast(tf.convert_to_tensor(scale), tf.float32)
+    scale = tf.cast(tf.convert_to_tensor(scale), tf.float32)
+    if scale.shape.rank not in (0, 1):
+        raise ValueError("`scale` must be a scalar, or a vector with one scale per gradient, "
+                         f"got shape {scale.shape}.")
+    return scale
+
+
+def _per_tensor(scale: tf.Tensor, index: list[int], n: int) -> tf.Tensor:
+    """The scale of the gradients at ``index``: ``scale`` itself if it is one
+    scale for all, else its entries there (a vector with one per gradient:
+    per-layer loss scales, see :class:`keras_mp.LossScaleOptimizer`)."""
+    if scale.shape.rank == 0:
+        return scale
+    if scale.shape[0] is not None and scale.shape[0] != n:
+        raise ValueError(f"`scale` must hold one scale per gradient ({n}), got "
+                         f"{scale.shape[0]}.")
+    return tf.gather(scale, index)
+
+
+def _at(scale: tf.Tensor, k: int) -> tf.Tensor:
+    return scale if scale.shape.rank == 0 else scale[k]
 
 
 def _dense(grads):
@@ -152,13 +172,14 @@ def _tensor_stats(g32, u32, scale):
 def _fused(grads, scale, *, unscale: bool, stats: bool):
     scale = tf.cast(scale, tf.float32)
     outs, rows, nonfinite = [], [], []
-    for g in grads:
+    for k, g in enumerate(grads):
         g32 = tf.cast(g, tf.float32)
-        u32 = g32 / scale
+        s = _at(scale, k)
+        u32 = g32 / s
         if unscale:
             outs.append(tf.cast(u32, g.dtype))
         if stats:
-            rows.append(_tensor_stats(g32, u32, scale))
+            rows.append(_tensor_stats(g32, u32, s))
         else:
             nonfinite.append(tf.reduce_any(tf.logical_not(tf.math.is_finite(g32))))
     if stats:
@@ -196,8 +217,7 @@ def _merge(grads, dense_idx, dense_out, scale):
         out[i] = u
     for i, g in enumerate(grads):
         if isinstance(g, tf.IndexedSlices):
-            v = tf.cast(tf.cast(g.values, tf.float32) / tf.cast(scale, tf.float32),
-                        g.values.dtype)
+            v = tf.cast(tf.cast(g.values, tf.float32) / _at(scale, i), g.values.dtype)
             out[i] = tf.IndexedSlices(v, g.indices, g.dense_shape)
     return out
 
@@ -219,7 +239,8 @@ def unscale_and_check(grads: Sequence, scale, *, return_mask: bool = False):
 
     Args:
         grads: a list of gradients (tensors, ``tf.IndexedSlices`` or None).
-        scale: the loss scale, a scalar.
+        scale: the loss scale, a scalar, or a vector with one scale per
+            gradient (per-layer loss scales).
         return_mask: if True, return a per-gradient bool vector of
             non-finite gradients instead of the single flag.
 
@@ -238,7 +259,8 @@ def unscale_and_check(grads: Sequence, scale, *, return_mask: bool = False):
     grads = _grad_list(grads)
     scale = _scale_tensor(scale)
     dense_idx, dense = _dense(grads)
-    dense_out, dense_nonfinite = _unscale_check_kernel(dense, scale) if dense else ([], None)
+    dense_out, dense_nonfinite = _unscale_check_kernel(
+        dense, _per_tensor(scale, dense_idx, len(grads))) if dense else ([], None)
     mask = [tf.constant(False)] * len(grads)
     for k, i in enumerate(dense_idx):
         mask[i] = dense_nonfinite[k]
@@ -266,7 +288,8 @@ def gradient_statistics(grads: Sequence, scale) -> GradientStatistics:
     Args:
         grads: a list of (loss-scaled) gradients; None and
             ``tf.IndexedSlices`` entries get all-zero statistics.
-        scale: the loss scale the gradients carry.
+        scale: the loss scale the gradients carry (a scalar, or one per
+            gradient).
 
     Returns:
         A :class:`GradientStatistics` whose fields are float32 vectors with
@@ -284,7 +307,8 @@ def gradient_statistics(grads: Sequence, scale) -> GradientStatistics:
     dense_idx, dense = _dense(grads)
     if not dense:
         return GradientStatistics(*[tf.zeros([len(grads)])] * len(STATISTICS))
-    return _scatter_stats(len(grads), dense_idx, _stats_kernel(dense, scale))
+    return _scatter_stats(len(grads), dense_idx,
+                          _stats_kernel(dense, _per_tensor(scale, dense_idx, len(grads))))
 
 
 def unscale_with_statistics(grads: Sequence, scale):
@@ -299,7 +323,8 @@ def unscale_with_statistics(grads: Sequence, scale):
     scale = _scale_tensor(scale)
     dense_idx, dense = _dense(grads)
     if dense:
-        dense_out, columns = _unscale_stats_kernel(dense, scale)
+        dense_out, columns = _unscale_stats_kernel(dense, _per_tensor(scale, dense_idx,
+                                                                      len(grads)))
         stats = _scatter_stats(len(grads), dense_idx, columns)
     else:
         dense_out = []

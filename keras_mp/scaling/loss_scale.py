@@ -17,6 +17,21 @@ Example:
     >>> state = s.update(state, finite=False, step=1)   # second overflow: back off
     >>> float(s.scale(state))
     512.0
+
+Recovery: a streak of non-finite steps that reaches the scale's floor was not
+the scale's doing (at the floor it still overflows: an input beyond float16,
+a layer whose range does not fit). Once finite steps resume (the adaptive
+policy promoted the layer at fault), :class:`DynamicLossScale` grows the
+scale back to where it was before the streak, by ``growth_factor`` every
+``recovery_interval`` finite steps, instead of once every ``growth_interval``
+(2000) steps:
+
+    >>> s = keras_mp.DynamicLossScale(initial_scale=8.0, min_scale=1.0)
+    >>> st = s.initial_state()
+    >>> for finite in [False] * 4 + [True] * 3:      # 8 -> 4 -> 2 -> 1 -> 1, then back
+    ...     st = s.update(st, finite=finite, step=0)
+    ...     print(float(s.scale(st)), end=" ")
+    4.0 2.0 1.0 1.0 2.0 4.0 8.0
 """
 
 from __future__ import annotations
@@ -98,6 +113,22 @@ class LossScaleSchedule:
     def scale(self, state: Mapping[str, Any]):
         """The loss scale (a float32 scalar) for ``state``."""
         return state["loss_scale"]
+
+    def rescaled(self, state: Mapping[str, Any], scale) -> State:
+        """The state with the loss scale set to ``scale`` (the adaptive rule's
+        answer to underflow with headroom); the default replaces
+        ``state["loss_scale"]``, a schedule without that entry overrides it."""
+        if "loss_scale" not in state:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no 'loss_scale' state entry: override rescaled().")
+        return {**state, "loss_scale": ops.cast(ops.convert_to_tensor(scale), "float32")}
+
+    def recovered(self, state: Mapping[str, Any]) -> State:
+        """The state after the cause of a streak of non-finite steps was
+        removed (the adaptive policy promoted the layer at fault). The
+        default changes nothing; :class:`DynamicLossScale` comes back to the
+        scale before the streak."""
+        return dict(state)
 
     def update(self, state: Mapping[str, Any], finite, step) -> State:
         """The state after a step.
@@ -188,7 +219,8 @@ class PiecewiseInterval:
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class DynamicLossScale(LossScaleSchedule):
-    """Grows the scale after a run of finite steps; backs off on overflow.
+    """Grows the scale after a run of finite steps; backs off on overflow;
+    comes back after a streak of overflows that the scale did not cause.
 
     After ``growth_interval`` consecutive finite steps the scale is multiplied
     by ``growth_factor`` (at most ``max_scale``). A non-finite step resets that
@@ -196,6 +228,19 @@ class DynamicLossScale(LossScaleSchedule):
     growth (DeepSpeed/Megatron semantics), each further one multiplies the
     scale by ``backoff_factor`` (at least ``min_scale``). So the scale is never
     inf or 0.
+
+    **Recovery** (``recovery_interval`` not None): a streak of consecutive
+    non-finite steps that goes on at ``min_scale`` was not caused by the
+    scale. The schedule remembers the scale the streak started from; once
+    finite steps resume (the cause is gone, e.g. the adaptive policy promoted
+    the layer that overflowed), it grows by ``growth_factor`` every
+    ``recovery_interval`` finite steps until it is back there. A non-finite
+    step during that regrowth ends it (the usual back-off follows), so a
+    scale that was itself too large costs at most one more skipped step. A
+    streak that ends above the floor is taken for the scale's own
+    calibration, unless the cause is named (:meth:`recovered`, below).
+    Without recovery a float16 run whose input overflowed for its first 100
+    steps kept a scale of 1 for the rest of a 1440-step run (issue 20).
 
     Args:
         initial_scale: the scale of the first step.
@@ -207,9 +252,21 @@ class DynamicLossScale(LossScaleSchedule):
         hysteresis: overflowing steps tolerated before backing off, >= 1.
         min_scale: lower bound of the scale, > 0.
         max_scale: upper bound of the scale, finite and >= ``min_scale``.
+        recovery_interval: finite steps between growths while the scale
+            comes back after a streak at the floor (an int >= 1), or None for
+            no recovery (Megatron/DeepSpeed semantics; what a file saved
+            before recovery existed loads as).
 
     State: ``loss_scale``, ``good_steps`` (finite steps since the last growth
-    or overflow) and ``hysteresis_left`` (overflows still tolerated).
+    or overflow), ``hysteresis_left`` (overflows still tolerated) and, with
+    recovery, ``streak_start`` (the scale before the latest streak of
+    non-finite steps: positive during it, negated once it ended, 0 before any)
+    and ``recover_to`` (the scale to come back to, 0 for none).
+
+    When the adaptive policy promotes the layer that overflowed, its callback
+    calls :meth:`recovered` (through
+    :meth:`keras_mp.LossScaleOptimizer.recover_loss_scale`): the scale grows
+    back, the same way, to where it was before the latest streak.
 
     Example:
         >>> import keras_mp
@@ -230,6 +287,7 @@ class DynamicLossScale(LossScaleSchedule):
         hysteresis: int = 1,
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
+        recovery_interval: int | None = 1,
     ):
         self.initial_scale = _positive_finite("initial_scale", initial_scale)
         self.growth_factor = _positive_finite("growth_factor", growth_factor)
@@ -266,13 +324,38 @@ class DynamicLossScale(LossScaleSchedule):
             raise ValueError(
                 f"`initial_scale` must be in [min_scale, max_scale] = "
                 f"[{self.min_scale!r}, {self.max_scale!r}], got {initial_scale!r}.")
+        if recovery_interval is not None and (
+                isinstance(recovery_interval, bool) or not isinstance(recovery_interval, int)
+                or recovery_interval < 1):
+            raise ValueError("`recovery_interval` must be None or an int >= 1, got "
+                             f"{recovery_interval!r}.")
+        self.recovery_interval = recovery_interval
 
     def state_spec(self):
-        return {
+        spec = {
             "loss_scale": ("float32", self.initial_scale),
             "good_steps": ("int64", 0),
             "hysteresis_left": ("int64", self.hysteresis),
         }
+        if self.recovery_interval is not None:
+            spec["streak_start"] = ("float32", 0.0)
+            spec["recover_to"] = ("float32", 0.0)
+        return spec
+
+    def rescaled(self, state, scale):
+        """The state with the scale set to ``scale`` (clipped to the bounds):
+        a fresh growth run, full hysteresis, and a pending recovery dropped
+        once the new scale reaches its target."""
+        new = ops.clip(ops.cast(ops.convert_to_tensor(scale), "float32"),
+                       self.min_scale, self.max_scale)
+        out = {**state, "loss_scale": new,
+               "good_steps": ops.convert_to_tensor(0, "int64"),
+               "hysteresis_left": ops.convert_to_tensor(self.hysteresis, "int64")}
+        if self.recovery_interval is not None:
+            target = ops.convert_to_tensor(state["recover_to"], "float32")
+            out["recover_to"] = ops.where(new >= target, 0.0, target)
+            out["streak_start"] = ops.convert_to_tensor(0.0, "float32")
+        return out
 
     def update(self, state, finite, step):
         scale = ops.convert_to_tensor(state["loss_scale"], "float32")
@@ -283,24 +366,66 @@ class DynamicLossScale(LossScaleSchedule):
             interval = ops.cast(self.growth_interval(step), "int64")
         else:
             interval = ops.convert_to_tensor(self.growth_interval, "int64")
+        recovery = self.recovery_interval is not None
+        if recovery:
+            streak_start = ops.convert_to_tensor(state["streak_start"], "float32")
+            recover_to = ops.convert_to_tensor(state["recover_to"], "float32")
+            # The scale before this streak (a streak that starts while the
+            # scale is coming back started, in effect, from the target);
+            # negated, and so remembered, once the streak ends.
+            start = ops.where(finite, -ops.abs(streak_start), ops.where(
+                streak_start > 0, streak_start, ops.maximum(scale, recover_to)))
+            # Non-finite at the floor: not the scale's doing, come back once it
+            # ends; non-finite above it (regrowth overshot): no recovery.
+            at_floor = scale <= self.min_scale
+            recover_to = ops.where(finite, recover_to, ops.where(
+                at_floor, ops.maximum(recover_to, ops.abs(start)), 0.0))
+            recovering = recover_to > scale
+            interval = ops.where(recovering, ops.convert_to_tensor(
+                self.recovery_interval, "int64"), interval)
 
         grown_good = good + 1
         grow = ops.logical_and(finite, grown_good >= interval)
         left_after_overflow = ops.maximum(left - 1, 0)
         back_off = ops.logical_and(ops.logical_not(finite), left_after_overflow <= 0)
 
+        grown = ops.minimum(scale * self.growth_factor, self.max_scale)
+        if recovery:
+            grown = ops.where(recovering, ops.minimum(grown, recover_to), grown)
         new_scale = ops.where(
-            grow, ops.minimum(scale * self.growth_factor, self.max_scale),
+            grow, grown,
             ops.where(back_off, ops.maximum(scale * self.backoff_factor, self.min_scale),
                       scale))
         new_good = ops.where(finite, ops.where(grow, 0, grown_good), 0)
         new_left = ops.where(finite, ops.where(grow, self.hysteresis, left),
                              left_after_overflow)
-        return {
+        out = {
             "loss_scale": ops.cast(new_scale, "float32"),
             "good_steps": ops.cast(new_good, "int64"),
             "hysteresis_left": ops.cast(new_left, "int64"),
         }
+        if recovery:
+            out["streak_start"] = ops.cast(start, "float32")
+            out["recover_to"] = ops.cast(
+                ops.where(ops.logical_and(grow, new_scale >= recover_to), 0.0, recover_to),
+                "float32")
+        return out
+
+    def recovered(self, state):
+        """The state after the cause of the latest streak of non-finite steps
+        was removed: from the next finite step the scale grows back, by
+        ``growth_factor`` every ``recovery_interval`` steps, to where it was
+        before that streak (nothing changes if it is there already, or
+        without recovery)."""
+        if self.recovery_interval is None:
+            return dict(state)
+        scale = ops.convert_to_tensor(state["loss_scale"], "float32")
+        before = ops.abs(ops.convert_to_tensor(state["streak_start"], "float32"))
+        target = ops.maximum(ops.convert_to_tensor(state["recover_to"], "float32"),
+                             ops.where(before > scale, before, 0.0))
+        return {**state, "recover_to": target,
+                "good_steps": ops.where(target > scale, 0, ops.convert_to_tensor(
+                    state["good_steps"], "int64"))}
 
     def get_config(self):
         gi = self.growth_interval
@@ -312,11 +437,15 @@ class DynamicLossScale(LossScaleSchedule):
             "hysteresis": self.hysteresis,
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
+            "recovery_interval": self.recovery_interval,
         }
 
     @classmethod
     def from_config(cls, config):
         config = dict(config)
+        # Saved before recovery existed: as it was then (its state has no
+        # recovery entries, so the file's optimizer variables still match).
+        config.setdefault("recovery_interval", None)
         if isinstance(config.get("growth_interval"), dict):
             config["growth_interval"] = deserialize_keras_object(config["growth_interval"])
         return cls(**config)

@@ -26,7 +26,7 @@ from keras.saving import deserialize_keras_object, serialize_keras_object
 from keras.src.utils import tracking  # Keras's own LSO.build uses it too
 
 from keras_mp import distribute
-from keras_mp.scaling import kernels
+from keras_mp.scaling import kernels, layer_scales as layer_scales_lib
 from keras_mp.scaling import loss_scale as loss_scale_lib
 
 __all__ = ["LossScaleOptimizer"]
@@ -73,11 +73,12 @@ def _legacy_schedule(initial_scale, dynamic_growth_steps) -> loss_scale_lib.Dyna
         growth_interval=dynamic_growth_steps,
         min_scale=min(1.0, initial_scale),
         max_scale=max(2.0**24, initial_scale),
+        recovery_interval=None,   # Keras's semantics
     )
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class LossScaleOptimizer(_KerasLSO):
+class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
     """Loss scaling with configurable schedules; a drop-in for
     ``keras.optimizers.LossScaleOptimizer`` (and an instance of it, so Keras's
     ``compile`` does not wrap it again).
@@ -98,14 +99,23 @@ class LossScaleOptimizer(_KerasLSO):
             ``tf.errors.InvalidArgumentError`` naming the variables whose
             gradients were non-finite, instead of skipping forever. Needs a
             train step that is not XLA-compiled (``jit_compile=False``).
+        layer_scales: per-layer loss scales (see
+            :mod:`keras_mp.scaling.layer_scales`): each gradient is unscaled
+            by the global scale times its layer's own factor, kept in the
+            ``variable_scales`` variable (one entry per variable, 1 until set).
+            The adaptive policy (``AdaptivePolicy(layer_loss_scales=True)``)
+            installs the matching layer boundaries, binds the layers
+            (:meth:`bind_layer_scales`) and chooses the factors; without
+            boundaries the factors stay 1 and this changes nothing.
         name: the optimizer's name.
         **kwargs: Keras's ``dynamic=True`` is accepted; base-optimizer
             arguments (``clipnorm``, ...) belong on ``inner_optimizer``.
 
     State, all optimizer variables (saved by ``model.save`` and checkpoints):
     the schedule's (``loss_scale``, and for :class:`~keras_mp.DynamicLossScale`
-    ``good_steps`` and ``hysteresis_left``), ``skipped_steps`` and
-    ``consecutive_skips``.
+    ``good_steps``, ``hysteresis_left`` and its recovery state),
+    ``skipped_steps``, ``consecutive_skips`` and, with ``layer_scales``,
+    ``variable_scales``.
 
     Example, with ``fit``:
         >>> import keras, keras_mp
@@ -134,6 +144,7 @@ class LossScaleOptimizer(_KerasLSO):
         *,
         schedule: Any = None,
         max_consecutive_skips: int | None = None,
+        layer_scales: bool = False,
         name: str | None = None,
         **kwargs,
     ):
@@ -164,6 +175,8 @@ class LossScaleOptimizer(_KerasLSO):
                 or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1):
             raise ValueError("`max_consecutive_skips` must be None or an int >= 1, got "
                              f"{max_consecutive_skips!r}.")
+        if not isinstance(layer_scales, bool):
+            raise ValueError(f"`layer_scales` must be True or False, got {layer_scales!r}.")
         if tf.distribute.has_strategy():
             distribute.check_strategy()  # fail at construction, before compile
         super().__init__(inner_optimizer, initial_scale=initial_scale,
@@ -173,6 +186,11 @@ class LossScaleOptimizer(_KerasLSO):
         self._schedule_given = schedule_given
         self.schedule = schedule
         self.max_consecutive_skips = max_consecutive_skips
+        self.layer_scales = layer_scales
+        self.variable_scales = None
+        # Per variable (in build order), the layer group whose factor it takes
+        # (see bind_layer_scales); -1: its own, which stays 1.
+        self._scale_groups: list[int] | None = None
         self.initial_scale = float(schedule.scale(schedule.initial_state()))
         self._state_variables: dict[str, keras.Variable] = {}
         # Called in replica context with (GradientStatistics, scale, variables)
@@ -198,6 +216,10 @@ class LossScaleOptimizer(_KerasLSO):
         self.consecutive_skips = self.add_variable(
             shape=(), dtype="int64", initializer="zeros",
             aggregation="only_first_replica", name="consecutive_skips")
+        if self.layer_scales:
+            self.variable_scales = self.add_variable(
+                shape=(len(var_list),), dtype="float32", initializer="ones",
+                aggregation="only_first_replica", name="variable_scales")
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -213,6 +235,39 @@ class LossScaleOptimizer(_KerasLSO):
             return ops.convert_to_tensor(self.initial_scale, "float32")
         return tf.convert_to_tensor(
             self.schedule.scale({k: v.value for k, v in self._state_variables.items()}))
+
+    def set_loss_scale(self, scale: float) -> None:
+        """Sets the loss scale, outside a train step (the adaptive policy
+        grows it when gradients underflow with headroom). The schedule
+        decides what else changes (:meth:`LossScaleSchedule.rescaled`: for
+        :class:`keras_mp.DynamicLossScale`, a fresh growth run and the scale
+        clipped to its bounds).
+
+        Args:
+            scale: the new scale, a finite number > 0.
+        """
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+                or not 0 < scale < math.inf:
+            raise ValueError(f"`scale` must be a finite number > 0, got {scale!r}.")
+        if not self.built:
+            raise ValueError("set_loss_scale() needs a built optimizer: call it after the "
+                             "first step or optimizer.build(variables).")
+        state = {k: v.value for k, v in self._state_variables.items()}
+        for key, value in self.schedule.rescaled(state, float(scale)).items():
+            var = self._state_variables[key]
+            var.assign(ops.cast(value, var.dtype))
+
+    def recover_loss_scale(self) -> None:
+        """Says that the cause of the latest streak of non-finite steps is gone
+        (outside a train step): the schedule comes back to the scale before
+        it (:meth:`LossScaleSchedule.recovered`). The adaptive policy calls it
+        when it promotes the layer that overflowed."""
+        if not self.built:
+            return
+        state = {k: v.value for k, v in self._state_variables.items()}
+        for key, value in self.schedule.recovered(state).items():
+            var = self._state_variables[key]
+            var.assign(ops.cast(value, var.dtype))
 
     @property
     def dynamic_scale(self):
@@ -272,13 +327,20 @@ class LossScaleOptimizer(_KerasLSO):
             raise ValueError(f"Got {len(grads)} gradients for {len(tvars)} variables.")
 
         scale = self.loss_scale
+        factors = None
+        if self.layer_scales:
+            factors, _ = self._variable_factors(tvars)
+        total = scale if factors is None else scale * factors  # per gradient
         if self.statistics_sink is None:
-            unscaled, nonfinite = kernels.unscale_and_check(grads, scale, return_mask=True)
+            unscaled, nonfinite = kernels.unscale_and_check(grads, total, return_mask=True)
         else:
             # One pass yields both the finite flags and what the sink needs.
-            unscaled, stats = kernels.unscale_with_statistics(grads, scale)
+            unscaled, stats = kernels.unscale_with_statistics(grads, total)
             nonfinite = stats.nonfinite > 0
-            self.statistics_sink(stats, scale, tvars)
+            if factors is None:
+                self.statistics_sink(stats, scale, tvars)
+            else:
+                self.statistics_sink(stats, scale, tvars, factors=factors)
         # Variables that take the gradient as their new value (float8 scales)
         # are never loss-scaled.
         unscaled = [g if g is not None and self._overwrite_variable_with_gradient(v) else u
@@ -325,7 +387,15 @@ class LossScaleOptimizer(_KerasLSO):
 
     def _update_state(self, finite, nonfinite, step, tvars):
         state = {k: v.value for k, v in self._state_variables.items()}
-        new_state = self.schedule.update(state, finite, step)
+        scale_finite = finite
+        if self.layer_scales:
+            factors, index = self._variable_factors(tvars)
+            groups = [(self._scale_groups or [-1] * len(self._trainable_variables))[i]
+                      for i in index]
+            new_factors, scale_finite = layer_scales_lib.backoff(factors, nonfinite, groups)
+            self.variable_scales.assign(tf.tensor_scatter_nd_update(
+                self.variable_scales.value, [[i] for i in index], new_factors))
+        new_state = self.schedule.update(state, scale_finite, step)
         if set(new_state) != set(state):
             raise ValueError(
                 f"{type(self.schedule).__name__}.update returned state keys "
@@ -391,6 +461,8 @@ class LossScaleOptimizer(_KerasLSO):
         # exactly Keras's (its own tests check the keys).
         if self.max_consecutive_skips is not None:
             config["max_consecutive_skips"] = self.max_consecutive_skips
+        if self.layer_scales:
+            config["layer_scales"] = True
         return config
 
     @classmethod

@@ -101,6 +101,81 @@ def test_float16_failure_recovered_with_most_layers_in_float16():
     assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
 
 
+def _tiny_gradients(loss_scale_arg, probe_every="auto", policy="adaptive_float16", **kw):
+    """float16 gradients of a small model at a loss scale of 1: 70-99 % of
+    their elements are float16 subnormals (amax 3e-5 and 5e-4)."""
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    policies.set_global_policy(policy)
+    small = keras.initializers.RandomUniform(-0.05, 0.05, seed=1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, kernel_initializer=small),
+                              keras.layers.Dense(1, kernel_initializer=small)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    x, y = _xy(64)
+    cb = AdaptivePrecision(interval=4, loss_scale=loss_scale_arg, probe_every=probe_every, **kw)
+    model.fit(x, 1e-3 * y, batch_size=8, epochs=3, verbose=0, callbacks=[cb])
+    return model, cb
+
+
+def test_underflow_with_headroom_grows_the_loss_scale_instead_of_promoting():
+    model, cb = _tiny_gradients(loss_scale.DynamicLossScale(initial_scale=1.0,
+                                                            recovery_interval=None))
+    assert cb.events == []  # every layer stays float16
+    # at the first decision: 2**20 leaves the largest gradient (5e-4) 16x below 65504
+    assert cb.scale_events == [{"step": 4, "layer": None, "old": 1.0, "new": 2.0**20}]
+    assert float(model.optimizer.loss_scale) == 2.0**20
+    rows = precision_report(model).rows
+    assert all(row["stats"]["fp16_subnormal"] < 0.01 for row in rows)
+    assert all(row["loss_scale"] == 2.0**20 for row in rows)
+
+
+def test_a_proxy_promotion_waits_for_the_probe_which_finds_no_harm():
+    # A fixed scale cannot grow: the subnormal fraction is a proxy, and the
+    # probe measures the gradients at float32's quality (errors below 0.01).
+    model, cb = _tiny_gradients(1.0)
+    report = precision_report(model)
+    assert cb.events == [] and all(row["compute_dtype"] == "float16" for row in report.rows)
+    assert all(row["stats"]["fp16_subnormal"] > 0.5 for row in report.rows)
+    assert all(row["probe"]["grad_error"] < 0.05 for row in report.rows)
+    # without probes nothing can judge it: promoted at once, as before
+    model, cb = _tiny_gradients(1.0, probe_every=None)
+    assert [e["reason"] for e in cb.events] == ["fp16_subnormal"] * 2
+
+
+def test_per_layer_loss_scales_in_fit_report_tensorboard_and_keras_file(tmp_path):
+    policy = keras_mp.AdaptivePolicy(("float16", "float32"), layer_loss_scales=True)
+    model, cb = _tiny_gradients(loss_scale.DynamicLossScale(initial_scale=1.0,
+                                                            recovery_interval=None),
+                                policy=policy, log_dir=str(tmp_path / "logs"))
+    opt = model.optimizer
+    assert isinstance(opt, keras_mp.LossScaleOptimizer) and opt.layer_scales
+    # each layer's own factor grew; the global scale and the dtypes did not change
+    assert cb.events == [] and float(opt.loss_scale) == 1.0
+    assert {e["layer"] for e in cb.scale_events} == {layer.path for layer in model.layers}
+    factors = opt.get_layer_scales()
+    assert min(factors) >= 2.0**10 and factors[0] != factors[1]
+    rows = precision_report(model).rows
+    assert [row["loss_scale"] for row in rows] == factors  # times the global 1.0
+    assert all(row["stats"]["fp16_subnormal"] < 0.05 for row in rows)
+    tags = set()
+    for path in glob.glob(str(tmp_path / "logs" / "*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(v.tag for v in event.summary.value)
+    assert {f"precision/{layer.path}/loss_scale" for layer in model.layers} <= tags
+    # saved and loaded with the model: the option, the factors, and fit goes on
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    policies.set_global_policy("float32")
+    loaded = keras.saving.load_model(path)
+    assert policies.policy_of(loaded).layer_loss_scales
+    np.testing.assert_array_equal(loaded.optimizer.variable_scales.numpy(),
+                                  opt.variable_scales.numpy())
+    again = AdaptivePrecision(interval=4, probe_every=None)
+    x, y = _xy(16)
+    loaded.fit(x, 1e-3 * y, batch_size=8, epochs=1, verbose=0, callbacks=[again])
+    assert loaded.optimizer.get_layer_scales() == factors and again.events == []
+
+
 # -- wiring ------------------------------------------------------------------
 
 def test_wraps_optimizer_with_dynamic_scaling_when_float16_is_a_candidate():

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from keras_mp.adaptive.controller import (DecisionRule, LayerState, LayerStats, Switch, decide,
-                                          sort_candidates)
+from keras_mp.adaptive.controller import (PROXY_REASONS, DecisionRule, LayerState, LayerStats,
+                                          Switch, decide, sort_candidates)
 
 F16 = ("float16", "float32")
 BF16 = ("bfloat16", "float32")
@@ -267,3 +267,113 @@ def test_forward_range_blocks_a_demotion_to_float16():
     big = _fwd(in_amax=5e4)  # fits float32; within 16x of float16's largest value
     d = decide([big, _fwd(in_amax=10.0)], [LayerState("float32")] * 2, F16, rule)
     assert [sw.layer for sw in d.switches] == [1]
+
+
+# -- the loss scale before the dtype; the probe as the judge of proxies ---------
+
+UNDER = LayerStats(steps=10, fp16_subnormal=0.3, fp16_underflow=0.1, amax=0.01)
+
+
+def test_underflow_with_headroom_grows_the_loss_scale_instead_of_promoting():
+    # amax 0.01 at scale 1: 2**18 more leaves it 16x below 65504
+    d = decide([UNDER, HEALTHY], [LayerState("float16")] * 2, F16, loss_scale=1.0)
+    assert d.switches == () and d.loss_scale == 2.0**18
+    assert [s.healthy for s in d.states] == [0, 1]  # in trouble, just not a dtype's
+    # the layer with the largest gradients limits the growth for everyone
+    big = LayerStats(steps=10, amax=100.0)
+    d = decide([UNDER, big], [LayerState("float16")] * 2, F16, loss_scale=1.0)
+    assert d.loss_scale == 2.0**5
+    # and the schedule's bound
+    d = decide([UNDER], [LayerState("float16")], F16, loss_scale=1.0, max_loss_scale=16.0)
+    assert d.loss_scale == 16.0
+    # no loss scale to change: a proxy, promoted at once without probes (as before)
+    d = decide([UNDER], [LayerState("float16")], F16)
+    assert d.loss_scale is None and d.switches[0].reason == "fp16_subnormal"
+
+
+def test_underflow_without_headroom_waits_for_the_probe_to_confirm_harm():
+    limited = LayerStats(steps=10, amax=4000.0)  # at scale 1: no headroom left
+    stats, states = [UNDER, limited], [LayerState("float16")] * 2
+    d = decide(stats, states, F16, loss_scale=1.0, validate_demotions=True)
+    assert d.switches == () and d.loss_scale is None
+    assert [s.suspect for s in d.states] == [1, 0]  # fp16_subnormal on trial
+    # the probe measures the layer at float32's quality: not promoted, no strike
+    probed = dataclasses.replace(UNDER, probe_steps=1, grad_error=0.005, grad_noise_ratio=0.3)
+    kw = dict(loss_scale=1.0, validate_demotions=True, probe_steps=1,
+              probe_loss_error=0.001, probe_loss_noise_ratio=0.2)
+    d2 = decide([probed, limited], d.states, F16, **kw)
+    assert d2.switches == () and d2.states[0] == dataclasses.replace(
+        d.states[0], suspect=0, healthy=0)
+    # the probe measures harm (beyond hysteresis x the threshold, and the noise)
+    harmed = dataclasses.replace(probed, grad_error=0.4, grad_noise_ratio=3.0)
+    d3 = decide([harmed, limited], d.states, F16, **kw)
+    assert [(sw.layer, sw.reason) for sw in d3.switches] == [(0, "fp16_subnormal")]
+    assert d3.states[0].dtype == "float32" and d3.states[0].suspect == 0
+
+
+def test_a_suspect_whose_proxy_evidence_is_gone_is_cleared():
+    st = [LayerState("float16", suspect=1)]
+    d = decide([HEALTHY], st, F16, loss_scale=1.0, validate_demotions=True)
+    assert d.states[0].suspect == 0 and d.switches == ()
+
+
+@pytest.mark.parametrize("stats, dtype, reason", [
+    (LayerStats(steps=10, forward_steps=10, out_flushed=0.7), "bfloat16", "output_flushed"),
+    (LayerStats(steps=10, bf16_subnormal=0.5), "bfloat16", "bf16_subnormal"),
+    (LayerStats(steps=10, forward_steps=10, f8_flushed=0.5), "float8", "float8_flushed")])
+def test_every_proxy_is_a_promotion_trial_where_probes_run(stats, dtype, reason):
+    candidates = ("float8", "bfloat16", "float32")
+    d = decide([stats], [LayerState(dtype)], candidates, validate_demotions=True)
+    assert d.switches == () and d.states[0].suspect == PROXY_REASONS.index(reason) + 1
+    # harm in the loss confirms it too
+    probed = dataclasses.replace(stats, probe_steps=1, grad_error=0.01, grad_noise_ratio=0.1)
+    d = decide([probed], d.states, candidates, validate_demotions=True, probe_steps=1,
+               probe_loss_error=0.3, probe_loss_noise_ratio=5.0)
+    if dtype == "float8":  # float8 noise makes the loss error no evidence
+        assert d.switches == ()
+    else:
+        assert [sw.reason for sw in d.switches] == [reason]
+
+
+def test_hard_failures_still_promote_at_once_where_probes_run():
+    saturated = LayerStats(steps=10, forward_steps=10, f8_saturated=0.5)
+    d = decide([saturated], [LayerState("float8")], ("float8", "bfloat16", "float32"),
+               validate_demotions=True)
+    assert [sw.reason for sw in d.switches] == ["float8_saturated"]
+    d = decide([_fwd(in_range=1.0)], [LayerState("float16")], F16, loss_scale=1.0,
+               validate_demotions=True)
+    assert [sw.reason for sw in d.switches] == ["input_range"]
+    d = decide([BAD, HEALTHY], [LayerState("float16")] * 2, F16, loss_scale=1.0,
+               validate_demotions=True)
+    assert [sw.reason for sw in d.switches] == ["nonfinite"]
+
+
+def test_per_layer_scales_lift_only_the_layer_that_underflows():
+    big = LayerStats(steps=10, amax=4000.0)
+    d = decide([UNDER, big], [LayerState("float16")] * 2, F16, loss_scale=1.0,
+               layer_scales=[1.0, 1.0], validate_demotions=True)
+    assert d.switches == () and d.loss_scale is None
+    assert d.layer_scales == (2.0**18, 1.0) and d.states[0].suspect == 0
+    # a factor whose headroom is gone is given back (to at least 1)
+    grown = LayerStats(steps=10, amax=1.0)
+    d = decide([grown, big], [LayerState("float16")] * 2, F16, loss_scale=2.0,
+               layer_scales=[2.0**12, 1.0])
+    assert d.layer_scales == (2.0**10, 1.0)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(loss_scale=0.0), "loss_scale"), (dict(loss_scale=float("inf")), "loss_scale"),
+    (dict(loss_scale=1.0, max_loss_scale=-1.0), "max_loss_scale"),
+    (dict(layer_scales=[1.0]), "layer_scales"),
+    (dict(loss_scale=1.0, layer_scales=[1.0, 2.0]), "layer_scales"),
+    (dict(loss_scale=1.0, layer_scales=[0.0]), "layer_scales")])
+def test_scale_arguments_are_checked(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        decide([HEALTHY], [LayerState("float16")], F16, **kwargs)
+
+
+def test_suspect_and_scale_headroom_validation():
+    with pytest.raises(ValueError, match="`suspect`"):
+        LayerState("float16", suspect=len(PROXY_REASONS) + 1)
+    with pytest.raises(ValueError, match="`scale_headroom`"):
+        DecisionRule(scale_headroom=1.0)

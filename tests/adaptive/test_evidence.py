@@ -91,6 +91,114 @@ def test_float16_in_model_normalization_is_rescued_by_forward_statistics(kind, c
     assert all(layer.compute_dtype == "float16" for layer in _dense(model))
 
 
+# -- float16: the loss scale comes back once the cause is gone (issue 20) --------
+
+def _four_classes(n, seed):
+    """Four classes from 16 features in raw units (scale 5e4: up to about 2e5,
+    beyond float16's 65504 for a third of the rows)."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(n, 16)).astype("float32")
+    w = np.random.default_rng(7).normal(size=(16, 4)).astype("float32")
+    return (5e4 * z).astype("float32"), np.argmax(z @ w, 1).astype("int32")
+
+
+def _rescaled_mlp(x):
+    return keras.Sequential([keras.Input((16,)), keras.layers.Rescaling(2e-5)]
+                            + [keras.layers.Dense(64, activation="relu") for _ in range(5)]
+                            + [keras.layers.Dense(4)])
+
+
+class _ScaleTrace(keras.callbacks.Callback):
+    """The loss scale after each of the first ``steps`` steps (a read syncs)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps, self.scales = steps, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if len(self.scales) < self.steps:
+            self.scales.append(float(self.model.optimizer.loss_scale))
+
+
+def test_float16_loss_scale_recovers_after_the_promotion_and_no_layer_is_promoted_for_it():
+    # The input overflows float16 until Rescaling is promoted at call 100: every
+    # step until then is non-finite and the scale falls from 2**15 to its floor.
+    # Before recovery it stayed at 1 (growth every 2000 finite steps), the
+    # gradients drained into float16's subnormal range, and at call 1200 four
+    # of the six Dense layers were promoted for fp16_subnormal while the probe
+    # measured their gradient error at 0.005 (issue 20). 30 epochs of 48 steps.
+    data = (_four_classes(3072, 0), _four_classes(2048, 1))
+    kw = dict(epochs=30, batch_size=64, lr=1e-3,
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    acc32 = _fit(_rescaled_mlp, data, "float32", **kw)[1][1]
+    cb, trace = AdaptivePrecision(), _ScaleTrace(200)
+    model, (_, acc) = _fit(_rescaled_mlp, data,
+                           keras_mp.AdaptivePolicy(candidates=("float16", "float32")),
+                           [cb, trace], **kw)
+    print(f"four classes, raw features: float32 {acc32:.4f}  adaptive {acc:.4f}")
+    print(precision_report(model))
+    assert [(e["step"], e["reason"]) for e in cb.events] == [(100, "input_range")]
+    assert cb.events[0]["layer"] == model.layers[0].path  # Rescaling, alone
+    assert trace.scales[98] == 1.0  # the floor, before the promotion
+    # back to the scale before the streak within 16 steps of the promotion
+    assert trace.scales[100 + 15] == 2.0**15 and min(trace.scales[116:]) >= 2.0**14
+    assert float(model.optimizer.loss_scale) >= 2.0**14 and cb.scale_events == []
+    dense = _dense(model)
+    assert sum(layer.compute_dtype == "float16" for layer in dense) >= 3
+    assert acc >= acc32 - 0.01
+
+
+# -- float16: per-layer loss scales where one global scale cannot serve --------
+
+def _sigmoid_tower(x):
+    """A linear path beside a tower of 10 sigmoid layers with a small
+    initialization (wide and deep): the gradients vanish by about 2**-3.5 per
+    tower layer, from 0.1 at its top to 1e-11 at its bottom, 2**33 apart."""
+    inp = keras.Input((16,))
+    h = inp
+    init = keras.initializers.RandomNormal(stddev=0.05, seed=3)
+    for _ in range(10):
+        h = keras.layers.Dense(32, activation="sigmoid", kernel_initializer=init)(h)
+    return keras.Model(inp, keras.layers.Dense(4)(keras.layers.Concatenate()([inp, h])))
+
+
+def _four_normal_classes(n, seed):
+    x, y = _four_classes(n, seed)
+    return x / 5e4, y
+
+
+def test_per_layer_loss_scales_keep_every_layer_in_float16_where_one_scale_cannot():
+    # The scale the tower's bottom needs out of float16's subnormal range
+    # (1e-11 * S >= 2**-14: S >= 2**23) overflows its top (0.1 * 2**23 > 65504).
+    data = (_four_normal_classes(1024, 0), _four_normal_classes(2048, 1))
+    kw = dict(epochs=6, batch_size=64, lr=1e-2,
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    acc32 = _fit(_sigmoid_tower, data, "float32", **kw)[1][1]
+    one = AdaptivePrecision(interval=8)  # its promotions come by call 32: 3 epochs
+    _, (_, acc_one) = _fit(_sigmoid_tower, data,
+                           keras_mp.AdaptivePolicy(("float16", "float32")), [one],
+                           **dict(kw, epochs=3))
+    own = AdaptivePrecision(interval=8)
+    model, (_, acc) = _fit(_sigmoid_tower, data, keras_mp.AdaptivePolicy(
+        ("float16", "float32"), layer_loss_scales=True), [own], **kw)
+    report = precision_report(model)
+    print(f"sigmoid tower: float32 {acc32:.4f}  one scale (3 epochs) {acc_one:.4f} "
+          f"({len(one.events)} promoted)  per-layer scales {acc:.4f}")
+    print(report)
+    # one scale: the bottom of the tower is promoted, the probe confirming harm
+    assert one.events and {e["reason"] for e in one.events} <= {"fp16_subnormal",
+                                                                "probe_error"}
+    # per-layer scales: every layer in float16 at float32's quality
+    assert own.events == [] and all(row["compute_dtype"] == "float16" for row in report.rows)
+    assert all(row["probe"]["grad_error"] < 0.05 for row in report.rows
+               if row["measured"]["gradients"])
+    assert acc >= acc32 - 0.01
+    # each layer's scale from its own statistics: the bottom's far above the top's
+    scales = [row["loss_scale"] for row in report.rows if row["measured"]["gradients"]]
+    assert scales[0] >= 2.0**30 * scales[-1]
+    assert int(model.optimizer.skipped_steps) <= 2
+
+
 # -- bfloat16: rounding loss, seen by the probe --------------------------------
 
 def _offset_regression(n, seed):

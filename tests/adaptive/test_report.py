@@ -46,8 +46,12 @@ def test_report_after_a_switch_has_dtypes_statistics_and_history():
                                    "out_amax", "in_range", "out_flushed", "grad_error"}
     assert first["stats"]["in_amax"] == 7e4
     assert relu["measured"] == {"gradients": False, "forward": True, "probe": False,
-                                "float8": False}
+                                "float8": False, "scale": False}
     assert first["measured"]["gradients"] and first["measured"]["forward"]
+    # the loss scale the layer's gradients carried at the last decision
+    assert first["measured"]["scale"] and relu["loss_scale"] is None
+    assert first["loss_scale"] == float(model.optimizer.loss_scale)
+    assert "| loss scale |" in str(r)
     text = str(r)
     assert "float16->float32@2 (input_range)" in text
     assert text.count("\n") == 2 + len(r.rows)

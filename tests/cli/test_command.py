@@ -48,6 +48,9 @@ def test_demo_shows_a_rescue_quietly_without_control_characters(tmp_path):
     assert re.search(r"step +\d+: dense_in +float16 -> float32  \(\w+\)", text), text
     final = dict(pair.split() for pair in re.search(r"final: (.*)", text)[1].split(", "))
     assert final["dense_in"] == "float32" and final["dense_hidden"] == "float16", final
+    # The overflowing steps drove the loss scale down; the promotion brought it back.
+    scales = re.search(r"adaptive float16/float32 +\S+ +\S+ +(\d+) -> (\d+) -> (\d+)", text)
+    assert scales and int(scales[2]) < int(scales[1]) == int(scales[3]), text
     assert "'adaptive' chooses among" in text and "GFLOP" not in text
     png = tmp_path / "keras_mp_demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -250,8 +250,10 @@ def test_state_is_visible():
     v = [keras.Variable([1.0])]
     opt.apply([ops.array([np.nan])], v)
     state = opt.loss_scale_state
-    assert sorted(state) == ["good_steps", "hysteresis_left", "loss_scale"]
+    assert sorted(state) == ["good_steps", "hysteresis_left", "loss_scale", "recover_to",
+                             "streak_start"]
     assert int(state["hysteresis_left"].numpy()) == 2
+    assert float(state["streak_start"].numpy()) == 2.0**15  # the streak's start, remembered
     assert int(opt.skipped_steps.numpy()) == 1 and int(opt.consecutive_skips.numpy()) == 1
     assert opt.dynamic_scale is state["loss_scale"] and opt.step_counter is state["good_steps"]
     opt.apply([ops.array([1.0])], v)
