@@ -29,7 +29,7 @@ from keras_mp.deploy import export, quantization
 from keras_mp.execution import fused_update, step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.scaling import kernels, loss_scale, optimizer
-from keras_mp.device import xla
+from keras_mp.device import memory, xla
 from keras_mp.fused.fuse import fuse as fuse_model
 
 MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adaptive.controller",
@@ -38,7 +38,8 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
            "adaptive.rule", "adaptive.state", "adaptive.stats", "adaptive.switching",
            "adaptive.tensorboard", "callbacks", "cli", "cli.command", "cli.demo",
            "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
-           "device", "device.capabilities", "device.xla", "distribute", "execution",
+           "device", "device.capabilities", "device.memory", "device.xla", "distribute",
+           "execution",
            "execution.fused_update", "execution.step_trial", "fused", "fused.fuse", "fused.layers",
            "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.loss_scale",
            "scaling.optimizer", "tuning"]
@@ -54,6 +55,8 @@ NO_ARGUMENTS = {
     "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
     "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
+    "device.memory.process_rss", "device.memory.process_peak_rss", "device.memory.step_device",
+    "fused.layers.fused_activation",  # a lookup: None for anything without a fused kernel
 }
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
@@ -176,6 +179,7 @@ CASES = [
      "`strategy`"),
     # fuse
     ("fused.fuse.fuse", lambda: fuse_model("model"), TypeError, "`model`"),
+    ("fused.fuse.fuse", lambda: fuse_model(_model(), inplace=1), TypeError, "`inplace`"),
     ("fused.fuse.fuse", lambda: fuse_model(keras.Sequential([keras.layers.Dense(2)])), ValueError,
      "`model`"),
     # kernels
@@ -369,6 +373,14 @@ CASES = [
     # execution
     ("execution.profile", lambda: execution.profile("QPU"), ValueError, "`device_type`"),
     ("execution.profile", lambda: execution.profile(rounds=0), ValueError, "`rounds`"),
+    ("execution.profile", lambda: execution.profile(steps="no"), TypeError, "`steps`"),
+    ("device.memory.allocator", lambda: memory.allocator(0), TypeError, "`device`"),
+    ("device.memory.reset_peak", lambda: memory.reset_peak(0), TypeError, "`device`"),
+    ("device.memory.footprint", lambda: memory.footprint(0), TypeError, "`device`"),
+    ("adaptive.probe.after", lambda: probe.after((x2,), ["tensor"]), TypeError, "`deps`"),
+    ("execution.step_trial.StepTrial",
+     lambda: step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 1.05, print,
+                                  memory_heavy=["xla"]), ValueError, "`memory_heavy`"),
     ("execution.choose", lambda: execution.choose(["int8"]), ValueError, "`dtypes`"),
     ("execution.configure", lambda: execution.configure(3), TypeError, "`model`"),
     ("execution.configure", lambda: execution.configure(_model()), ValueError, "`model`"),
