@@ -28,6 +28,7 @@ from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
 from keras_mp.execution import fused_update, step_trial
 from keras_mp.fused import layers, ops
+from keras_mp.fused import losses as fused_losses
 from keras_mp.scaling import kernels, loss_scale, optimizer
 from keras_mp.device import memory, xla
 from keras_mp.fused.fuse import fuse as fuse_model
@@ -41,6 +42,7 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
            "device", "device.capabilities", "device.memory", "device.xla", "distribute",
            "execution",
            "execution.fused_update", "execution.step_trial", "fused", "fused.fuse", "fused.layers",
+           "fused.losses",
            "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.loss_scale",
            "scaling.optimizer", "tuning"]
 
@@ -180,6 +182,14 @@ CASES = [
     # fuse
     ("fused.fuse.fuse", lambda: fuse_model("model"), TypeError, "`model`"),
     ("fused.fuse.fuse", lambda: fuse_model(_model(), inplace=1), TypeError, "`inplace`"),
+    ("fused.losses.SparseCategoricalCrossentropy",
+     lambda: fused_losses.SparseCategoricalCrossentropy(reduction="x"), ValueError, "reduction"),
+    ("fused.losses.fusable_losses", lambda: fused_losses.fusable_losses("m"), TypeError,
+     "`model`"),
+    ("fused.losses.fusing", lambda: _enter(fused_losses.fusing(["x"])), TypeError, "`losses`"),
+    ("fused.ops.sparse_softmax_cross_entropy",
+     lambda: ops.sparse_softmax_cross_entropy(tf.zeros([2], tf.int32), x2, dtype="int32"),
+     ValueError, "`dtype`"),
     ("fused.fuse.fuse", lambda: fuse_model(keras.Sequential([keras.layers.Dense(2)])), ValueError,
      "`model`"),
     # kernels

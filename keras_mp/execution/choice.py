@@ -23,6 +23,7 @@ import keras
 from keras_mp import _installed
 from keras_mp.device import xla
 from keras_mp.execution import fused_update, micro_benchmark, placement, step_trial
+from keras_mp.fused import losses as fused_losses
 from keras_mp.execution.placement import compute_dtypes as _compute_dtypes
 from keras_mp.execution.micro_benchmark import MARGIN
 
@@ -209,13 +210,26 @@ def _with_update(fn: Callable[..., Any]) -> Callable[..., Any]:
     return train_function
 
 
+def _with_losses(fn: Callable[..., Any], losses: list) -> Callable[..., Any]:
+    """``fn``, traced (now or on a retrace) with the model's Keras
+    cross-entropy as the fused kernel (:mod:`keras_mp.fused.losses`)."""
+
+    def train_function(iterator):
+        with fused_losses.fusing(losses):
+            return fn(iterator)
+
+    return train_function
+
+
 def _build(model: keras.Model, state: _State, mode: str) -> Callable[..., Any]:
     model.jit_compile = mode == "xla"
     state.original(force=True)
-    if mode != "xla_update":
-        return model.train_function  # traced as Keras traces it: nothing added per call
-    fused_update.install(model.optimizer)
-    return _with_update(model.train_function)
+    fn = model.train_function  # traced as Keras traces it
+    if mode == "xla_update":
+        fused_update.install(model.optimizer)
+        fn = _with_update(fn)
+    losses = fused_losses.fusable_losses(model) if xla.uses_xla("elementwise") else []
+    return _with_losses(fn, losses) if losses else fn
 
 
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
