@@ -1,7 +1,9 @@
 """The ``keras-mp bench`` suite: keras-mp against every Keras one-liner, side by side.
 
-For each model (``mlp``, ``cnn``, ``transformer``; ``--quick`` shrinks them)
-these variants train on the same synthetic data in one process:
+For each model (:mod:`benchmarks.models`: ``mlp``, ``cnn``, ``transformer``,
+KerasHub's ``gpt2`` and keras.applications' ``resnet``; ``--quick`` runs
+``mlp`` and ``transformer`` at smaller sizes) these variants train on the
+same synthetic data in one process (:mod:`benchmarks.variants`):
 
 * ``keras_float32``: plain Keras, ``compile()`` defaults;
 * ``keras_float32_xla``: plain Keras, ``compile(jit_compile=True)``;
@@ -35,9 +37,14 @@ Ratios are taken against ``keras_float32`` and against the best Keras
 variant (the fastest of the six one-liners, by the same clock) measured in
 the same run.
 
-On a GPU the peak device memory TensorFlow's allocator reached during one
-epoch is reported (``gpu_peak_mib``, MiB); on CPU memory is not reported
-(the process's resident size mostly reflects allocator caches).
+Memory (``memory`` in the results, the ``peak MiB`` column): each variant's
+peak resident memory, measured after the timing in a fresh process per
+variant that repeats the variant's warm-up and one round (``--quick``: the
+warm-up alone, which holds keras_mp's execution trial and first statistics
+step; :mod:`benchmarks.memory` says why a fresh process), two at a time; on a
+GPU also the device allocator's peak. ``--quick`` measures ``keras_float32``,
+the Keras one-liner of keras_mp's compute dtype and ``keras_mp``; the full
+bench every timed variant; ``--no-memory`` none.
 
 Run: ``python -m benchmarks.suite [--quick] [--models mlp,cnn] [--out DIR]``
 """
@@ -51,77 +58,28 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import memory as memory_lib
 from .common import cpu_name, interleaved_clocks, quiet_tensorflow
+from .models import MODELS, SIZES, missing
+from .models import get as get_model
+from .variants import KERAS_VARIANTS, VARIANTS, add_probe_cost, dtype_counts
+from .variants import make as make_variant
 
-__all__ = ["MODELS", "VARIANTS", "KERAS_VARIANTS", "run", "main"]
+__all__ = ["MODELS", "QUICK_MODELS", "VARIANTS", "KERAS_VARIANTS", "run", "main"]
 
-MODELS: tuple[str, ...] = ("mlp", "cnn", "transformer")
-KERAS_VARIANTS: tuple[str, ...] = (
-    "keras_float32", "keras_float32_xla", "keras_mixed_bfloat16", "keras_mixed_bfloat16_xla",
-    "keras_mixed_float16", "keras_mixed_float16_xla")
-VARIANTS: tuple[str, ...] = (*KERAS_VARIANTS, "keras_mp")
+#: What ``--quick`` runs when no model is named.
+QUICK_MODELS: tuple[str, ...] = ("mlp", "transformer")
 
-# name -> (full, quick) sizes
-_SIZES: dict[str, dict[str, dict[str, int]]] = {
-    "mlp": {"full": dict(batch=256, features=1024, width=2048, depth=4),
-            "quick": dict(batch=256, features=1024, width=1024, depth=3)},
-    "cnn": {"full": dict(batch=32, side=64, filters=32),
-            "quick": dict(batch=32, side=32, filters=32)},
-    "transformer": {"full": dict(batch=32, length=128, dim=512, blocks=2),
-                    "quick": dict(batch=32, length=128, dim=256, blocks=2)},
-}
 # (steps per round, rounds)
 _SCHEDULE = {"full": (20, 7), "quick": (20, 5)}
+#: --quick sizes (smaller than :data:`benchmarks.models.SIZES`' own quick ones:
+#: the whole quick bench fits in 3 minutes on 2 cores).
+_QUICK = {"mlp": dict(batch=128, features=512, width=1024, depth=3),
+          "transformer": dict(batch=16, length=64, dim=256, blocks=2)}
 #: A variant whose one step on 8 rows (after tracing) is this many times
 #: slower than keras_float32's is reported from that step and not timed
 #: (Keras's mixed_float16 on an AMX Xeon: 61-439x slower than float32).
 TOO_SLOW = 8.0
-
-
-def _builder(kind: str, size: dict[str, int]) -> tuple[Callable[[], Any], tuple[int, ...]]:
-    import keras
-
-    def head(h):
-        out = keras.layers.Dense(10)(h)
-        return keras.layers.Activation("linear", dtype="float32")(out)
-
-    if kind == "mlp":
-        shape = (size["features"],)
-
-        def build():
-            inp = keras.Input(shape)
-            h = inp
-            for _ in range(size["depth"]):
-                h = keras.layers.Dense(size["width"], activation="relu")(h)
-            return keras.Model(inp, head(h))
-    elif kind == "cnn":
-        shape = (size["side"], size["side"], 3)
-
-        def build():
-            inp = keras.Input(shape)
-            h = inp
-            for k in (1, 2, 4):
-                for _ in range(2):
-                    h = keras.layers.Conv2D(size["filters"] * k, 3, padding="same",
-                                            activation="relu")(h)
-                h = keras.layers.MaxPooling2D()(h)
-            return keras.Model(inp, head(keras.layers.GlobalAveragePooling2D()(h)))
-    elif kind == "transformer":
-        shape = (size["length"], size["dim"])
-        d = size["dim"]
-
-        def build():
-            inp = keras.Input(shape)
-            h = inp
-            for _ in range(size["blocks"]):
-                a = keras.layers.MultiHeadAttention(8, d // 8)(h, h)
-                h = keras.layers.LayerNormalization()(h + a)
-                f = keras.layers.Dense(d)(keras.layers.Dense(4 * d, activation="gelu")(h))
-                h = keras.layers.LayerNormalization()(h + f)
-            return keras.Model(inp, head(keras.layers.GlobalAveragePooling1D()(h)))
-    else:
-        raise ValueError(f"`models` must be among {MODELS}, got {kind!r}.")
-    return build, shape
 
 
 def _gpu_peak_mib(fn: Callable[[], Any]) -> float | None:
@@ -134,75 +92,6 @@ def _gpu_peak_mib(fn: Callable[[], Any]) -> float | None:
     tf.config.experimental.reset_memory_stats(gpus[0].name)
     fn()
     return tf.config.experimental.get_memory_info(gpus[0].name)["peak"] / 2**20
-
-
-def _make_variant(variant: str, build: Callable[[], Any], data, steps: int):
-    """A callable that trains one epoch of ``steps`` steps, and its state."""
-    import keras
-
-    import keras_mp
-    from keras_mp import callbacks, policies
-
-    keras.utils.set_random_seed(0)
-    cbs: list[Any] = []
-    jit: bool | str = "auto"
-    if variant == "keras_mp":
-        with policies.policy_scope("adaptive"):
-            model = keras_mp.fuse(build())
-        cbs = [callbacks.AdaptivePrecision()]  # the defaults, as the README recommends
-    else:
-        policy = variant.removeprefix("keras_").removesuffix("_xla")
-        jit = variant.endswith("_xla")
-        with policies.policy_scope(policy):
-            model = build()
-    model.compile(optimizer=keras.optimizers.Adam(1e-4),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=jit)
-    state: dict[str, Any] = {"model": model, "callback": cbs[0] if cbs else None}
-
-    def train(n: int = steps, on=data):
-        hist = model.fit(on, epochs=1, steps_per_epoch=n, verbose=0, callbacks=cbs,
-                         shuffle=False)
-        state["loss"] = float(hist.history["loss"][-1])
-
-    return train, state
-
-
-def _dtype_counts(model) -> dict[str, int]:
-    """Layers with weights per compute dtype (what the variant really ran)."""
-    counts: dict[str, int] = {}
-    for layer in model._flatten_layers(include_self=False):
-        if layer.weights:
-            counts[layer.compute_dtype] = counts.get(layer.compute_dtype, 0) + 1
-    return counts
-
-
-def _add_probe_cost(entry: dict[str, Any], callback, data) -> dict[str, Any] | None:
-    """Times ``callback``'s float32 probe on one batch (median of 3 calls
-    after one to trace) and adds its cost per step (divided by
-    ``probe_every``) to every sample of ``entry``. Returns what was added."""
-    import statistics
-
-    if callback.probe_every is None or getattr(callback, "_inert", False):
-        return None
-    batch = next(iter(data))
-    callback.probe(batch)  # traces
-    cpu, wall = [], []
-    for _ in range(3):
-        c0, w0 = time.process_time(), time.perf_counter()
-        callback.probe(batch)
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    added = {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
-             "every": callback.probe_every}
-    for clock in ("cpu", "wall"):
-        per_step = added[f"{clock}_s"] / callback.probe_every
-        added[f"per_step_{clock}_s"] = per_step
-        e = entry[clock]
-        e["samples"] = [x + per_step for x in e["samples"]]
-        for k in ("median", "min", "max"):
-            e[k] += per_step
-    return added
 
 
 def _machine(prof, exec_prof) -> dict[str, Any]:
@@ -234,8 +123,8 @@ def _table(entries: dict[str, dict[str, Any]]) -> str:
     best_cpu, best_wall = _best(entries, "cpu"), _best(entries, "wall")
     base = entries["keras_float32"]
     lines = ["| variant | CPU ms/step | spread | wall ms/step | spread | vs float32 CPU | "
-             "vs float32 wall | vs best Keras CPU | vs best Keras wall | final loss |",
-             "| --- |" + " ---: |" * 9]
+             "vs float32 wall | vs best Keras CPU | vs best Keras wall | peak MiB | final loss |",
+             "| --- |" + " ---: |" * 10]
     for v, e in entries.items():
         c, w = e["cpu"], e["wall"]
         cells = [v + (" (mode: " + e["mode"] + ")" if e.get("mode") else ""),
@@ -245,6 +134,7 @@ def _table(entries: dict[str, dict[str, Any]]) -> str:
                  f"{base['wall']['median'] / w['median']:.2f}x",
                  f"{entries[best_cpu]['cpu']['median'] / c['median']:.2f}x",
                  f"{entries[best_wall]['wall']['median'] / w['median']:.2f}x",
+                 "" if not e.get("memory") else f"{e['memory']['peak_rss_mib']:.0f}",
                  "" if e.get("final_loss") is None else f"{e['final_loss']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     note = ""
@@ -253,19 +143,27 @@ def _table(entries: dict[str, dict[str, Any]]) -> str:
         note = (f" keras_mp's figures include its float32 probe: {probe['cpu_s'] * 1e3:.0f} ms "
                 f"CPU ({probe['wall_s'] * 1e3:.0f} ms wall) per call, one call in "
                 f"{probe['every']}, i.e. +{probe['per_step_cpu_s'] * 1e3:.2f} ms CPU per step.")
+    mem = (entries.get("keras_mp") or {}).get("memory_vs_keras")
+    if mem:
+        base_mib = next(iter(entries.values()))["memory"] or {}
+        note += (f" Peak memory (each variant alone in a fresh process, the TensorFlow "
+                 f"runtime's ~{base_mib.get('baseline_rss_mib', 0):.0f} MiB included): "
+                 f"keras_mp {mem['ratio']:.2f}x `{mem['variant']}`.")
     return "\n".join(lines) + (f"\n\nBest Keras one-liner: `{best_cpu}` by CPU time, "
                                f"`{best_wall}` by wall time." + note)
 
 
-def run(models: Sequence[str] = MODELS, quick: bool = False,
+def run(models: Sequence[str] | None = None, quick: bool = False,
         variants: Sequence[str] = VARIANTS, out: str | None = None,
         log: Callable[[str], None] = print, rounds: int | None = None,
-        steps: int | None = None) -> dict[str, Any]:
+        steps: int | None = None, memory: bool = True) -> dict[str, Any]:
     """Runs the suite and returns its figures (and writes them under ``out``).
 
     Args:
-        models: among :data:`MODELS`.
-        quick: smaller shapes (a few minutes on 2 cores).
+        models: among :data:`MODELS`; None: all of them, or
+            :data:`QUICK_MODELS` with ``quick``. A model whose package is
+            missing (``gpt2`` without KerasHub) is skipped with the reason.
+        quick: fewer models, smaller shapes (under 3 minutes on 2 cores).
         variants: among :data:`VARIANTS`; ``keras_float32`` is always run (it
             is the baseline of every ratio).
         out: a folder for ``bench.json`` and ``bench.png``, or None.
@@ -274,21 +172,27 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
         steps: training steps per round and variant (>= 5); 20 (a multiple
             of ``AdaptivePrecision``'s default ``statistics_every``, so
             keras_mp's statistics steps are timed at their steady-state rate).
+        memory: measure each variant's peak memory (module docstring).
 
     Returns:
         ``{"machine": {...}, "quick": bool, "rounds": int, "steps": int,
         "results": {model: {variant: {...}}}, "skipped": {model: {variant:
-        reason}}, "tables": {model: markdown}}``; each variant has ``cpu`` and
-        ``wall`` (``median``, ``spread``, ``min``, ``max``, ``samples``, s per
-        step), ``vs_float32`` and ``vs_best_keras`` (``{"cpu": x, "wall": x}``),
-        ``final_loss``, ``gpu_peak_mib`` (None off GPU), ``compute_dtypes``
-        (layers with weights per compute dtype at the end) and, for keras_mp,
-        ``mode`` (``"xla"`` or ``"graph"``, as :mod:`keras_mp.execution`
-        measured on the model) and ``probe`` (the float32 probe's seconds
-        per call, ``cpu_s`` and ``wall_s``, ``every`` calls, and the
+        reason}}, "missing": {model: reason}, "tables": {model: markdown},
+        "seconds": float}``; each variant has ``cpu`` and ``wall``
+        (``median``, ``spread``, ``min``, ``max``, ``samples``, s per step),
+        ``vs_float32`` and ``vs_best_keras`` (``{"cpu": x, "wall": x}``),
+        ``final_loss``, ``gpu_peak_mib`` (None off GPU), ``memory``
+        (:data:`benchmarks.memory.FIELDS` in MiB, or None where not
+        measured), ``compute_dtypes`` (layers with weights per compute dtype
+        at the end) and, for keras_mp, ``mode`` (``"xla"``, ``"xla_update"``
+        or ``"graph"``, as :mod:`keras_mp.execution` measured on the model),
+        ``memory_vs_keras`` (its peak RSS over the Keras one-liner's of its
+        compute dtype, and which one) and ``probe`` (the float32 probe's
+        seconds per call, ``cpu_s`` and ``wall_s``, ``every`` calls, and the
         ``per_step_cpu_s`` / ``per_step_wall_s`` added to its figures).
     """
-    models = list(models)
+    started = time.perf_counter()
+    models = list((QUICK_MODELS if quick else MODELS) if models is None else models)
     if not models:
         raise ValueError(f"`models` must name at least one of {MODELS}.")
     for m in models:
@@ -310,66 +214,28 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
             raise PermissionError(f"`out` folder {out!r} is not writable.")
     quiet_tensorflow()
     import keras
-    import numpy as np
-    import tensorflow as tf
 
     from keras_mp import device, execution
 
     prof = device.profile()
-    machine = _machine(prof, execution.profile())
+    machine = _machine(prof, execution.profile(steps=not quick))
     results: dict[str, dict[str, Any]] = {}
     skipped: dict[str, dict[str, str]] = {}
+    absent: dict[str, str] = {}
     tables: dict[str, str] = {}
     keras.utils.clear_session()
     for kind in models:
-        size = _SIZES[kind]["quick" if quick else "full"]
-        build, shape = _builder(kind, size)
-        rng = np.random.default_rng(0)
-        batch = size["batch"]
-        x = rng.standard_normal((batch * steps,) + shape).astype("float32")
-        y = rng.integers(0, 10, len(x))
-        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache().repeat()
-        small = tf.data.Dataset.from_tensor_slices((x[:8], y[:8])).batch(8).repeat()
+        if missing(kind):
+            absent[kind] = missing(kind)
+            log(f"[{kind}] skipped: {absent[kind]}")
+            continue
+        size = _QUICK.get(kind, SIZES[kind]["quick"]) if quick else SIZES[kind]["full"]
+        build, data = get_model(kind, size, steps)
+        small = get_model(kind, size, 1, rows=8)[1]
         log(f"[{kind}] building {len(variants)} variants ({size}), "
             f"{steps} steps x {rounds} rounds each")
-        made: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {}
-        skipped[kind] = {}
+        made, skipped[kind] = _warm_up(kind, variants, build, data, small, steps, log)
         t0 = time.perf_counter()
-        pre: dict[str, float] = {}
-        for v in variants:
-            train, state = _make_variant(v, build, data, steps)
-            try:
-                # Tracing and XLA compilation on a few rows (the batch
-                # dimension is unknown to the trace, so it is reused), then
-                # one timed step there, to leave out what is far too slow to
-                # time (seconds per full step).
-                train(1, small)
-                w0 = time.perf_counter()
-                train(1, small)
-                pre[v] = time.perf_counter() - w0
-                if v in ("keras_float32", "keras_mp") or \
-                        pre[v] <= TOO_SLOW * pre["keras_float32"]:
-                    # Warm-up, one epoch: for keras_mp, its measured choice
-                    # of execution mode (the first 18 calls) and the first
-                    # statistics step (call 20) are traced here.
-                    train()
-            except Exception as e:  # noqa: BLE001 - e.g. XLA cannot compile this variant
-                if v == "keras_float32":
-                    raise
-                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                skipped[kind][v] = f"{type(e).__name__}: {reason}"
-                log(f"[{kind}] {v} skipped: {skipped[kind][v]}")
-                continue
-            # (keras_mp's second 8-row step is its XLA trial's compilation.)
-            if v not in ("keras_float32", "keras_mp") and \
-                    pre[v] > TOO_SLOW * pre["keras_float32"]:
-                skipped[kind][v] = (
-                    f"too slow to time: {pre[v] * 1e3:.0f} ms for one step of 8 rows, "
-                    f"{pre[v] / pre['keras_float32']:.0f}x keras_float32 "
-                    f"({pre['keras_float32'] * 1e3:.1f} ms)")
-                log(f"[{kind}] {v} skipped: {skipped[kind][v]}")
-                continue
-            made[v] = (train, state)
         timings = interleaved_clocks({v: m[0] for v, m in made.items()}, rounds=rounds,
                                      warmup=0, per_call=steps)
         log(f"[{kind}] timed in {time.perf_counter() - t0:.0f} s")
@@ -379,10 +245,14 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
             entries[v] = {**timings[v], "final_loss": state.get("loss"),
                           "gpu_peak_mib": _gpu_peak_mib(train),
                           "mode": execution.chosen(model) if v == "keras_mp" else None,
-                          "compute_dtypes": _dtype_counts(model)}
+                          "compute_dtypes": dtype_counts(model), "memory": None}
             if v == "keras_mp" and state["callback"] is not None:
-                entries[v]["probe"] = _add_probe_cost(entries[v], state["callback"], data)
+                entries[v]["probe"] = add_probe_cost(entries[v], state["callback"], data)
                 log(f"[{kind}] keras_mp probe: {entries[v]['probe']}")
+        made.clear()
+        keras.utils.clear_session()
+        if memory:
+            _add_memory(kind, size, steps, entries, quick, log)
         for clock in ("cpu", "wall"):
             best = _best(entries, clock)
             for e in entries.values():
@@ -393,15 +263,95 @@ def run(models: Sequence[str] = MODELS, quick: bool = False,
                 e.setdefault("best_keras", {})[clock] = best
         results[kind] = entries
         tables[kind] = _table(entries)
-        log(f"\n{kind} (per training step, batch {batch}):\n{tables[kind]}\n")
+        log(f"\n{kind} (per training step, batch {size['batch']}):\n{tables[kind]}\n")
+    seconds = time.perf_counter() - started
+    log(f"keras-mp bench{' --quick' if quick else ''}: {seconds:.0f} s")
     report = {"machine": machine, "quick": quick, "rounds": rounds, "steps": steps,
-              "results": results, "skipped": skipped, "tables": tables}
+              "results": results, "skipped": skipped, "missing": absent, "tables": tables,
+              "seconds": seconds}
     if out is not None:
         with open(os.path.join(out, "bench.json"), "w") as f:
             json.dump(report, f, indent=2)
-        report["plot"] = _plot(os.path.join(out, "bench.png"), results, machine)
-        log(f"Wrote {os.path.join(out, 'bench.json')} and {report['plot']}")
+        if results:
+            report["plot"] = _plot(os.path.join(out, "bench.png"), results, machine)
+            log(f"Wrote {os.path.join(out, 'bench.json')} and {report['plot']}")
     return report
+
+
+def _warm_up(kind, variants, build, data, small, steps, log):
+    """Builds and warms up every variant; returns ``({variant: (train,
+    state)}, {variant: why it was not timed})``."""
+    made: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {}
+    skipped: dict[str, str] = {}
+    pre: dict[str, float] = {}
+    for v in variants:
+        train, state = make_variant(v, build, data, steps)
+        try:
+            # Tracing and XLA compilation on a few rows (the batch
+            # dimension is unknown to the trace, so it is reused), then
+            # one timed step there, to leave out what is far too slow to
+            # time (seconds per full step).
+            train(1, small)
+            w0 = time.perf_counter()
+            train(1, small)
+            pre[v] = time.perf_counter() - w0
+            if v in ("keras_float32", "keras_mp") or pre[v] <= TOO_SLOW * pre["keras_float32"]:
+                # Warm-up, one epoch: for keras_mp, its measured choice
+                # of execution mode (the first calls) and the first
+                # statistics step (call 20) are traced here.
+                train()
+        except Exception as e:  # noqa: BLE001 - e.g. XLA cannot compile this variant
+            if v == "keras_float32":
+                raise
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            skipped[v] = f"{type(e).__name__}: {reason}"
+            log(f"[{kind}] {v} skipped: {skipped[v]}")
+            continue
+        # (keras_mp's second 8-row step is its XLA trial's compilation.)
+        if v not in ("keras_float32", "keras_mp") and pre[v] > TOO_SLOW * pre["keras_float32"]:
+            skipped[v] = (f"too slow to time: {pre[v] * 1e3:.0f} ms for one step of 8 rows, "
+                          f"{pre[v] / pre['keras_float32']:.0f}x keras_float32 "
+                          f"({pre['keras_float32'] * 1e3:.1f} ms)")
+            log(f"[{kind}] {v} skipped: {skipped[v]}")
+            continue
+        made[v] = (train, state)
+    return made, skipped
+
+
+def _same_dtype_keras(entry: dict[str, Any]) -> str:
+    """The Keras one-liner computing in keras_mp's (most common) compute dtype."""
+    counts = entry.get("compute_dtypes") or {"float32": 1}
+    narrow = {d: n for d, n in counts.items() if d in ("bfloat16", "float16")}
+    dtype = max(narrow, key=narrow.get) if narrow else "float32"
+    return "keras_float32" if dtype == "float32" else f"keras_mixed_{dtype}"
+
+
+def _add_memory(kind, size, steps, entries, quick, log) -> None:
+    """Each variant's peak memory, a fresh process each (benchmarks.memory)."""
+    names = list(entries)
+    if quick and "keras_mp" in entries:
+        names = [v for v in dict.fromkeys(
+            ("keras_float32", _same_dtype_keras(entries["keras_mp"]), "keras_mp"))
+            if v in entries]
+    t0 = time.perf_counter()
+    # The warm-up epoch holds keras_mp's trial and first statistics step; the
+    # full bench adds one round's epoch, --quick does not.
+    specs = [dict(kind=kind, size=size, variant=v, steps=steps, epochs=1 if quick else 2)
+             for v in names]
+    for v, figures in zip(names, memory_lib.measure(specs)):
+        if "error" in figures:
+            log(f"[{kind}] {v}: memory not measured ({figures['error']})")
+            continue
+        entries[v]["memory"] = figures
+    log(f"[{kind}] memory of {len(names)} variants measured in "
+        f"{time.perf_counter() - t0:.0f} s")
+    mp = entries.get("keras_mp")
+    if mp and mp["memory"]:
+        ref = _same_dtype_keras(mp)
+        if ref in entries and entries[ref]["memory"]:
+            mp["memory_vs_keras"] = {
+                "variant": ref, "ratio": mp["memory"]["peak_rss_mib"]
+                / entries[ref]["memory"]["peak_rss_mib"]}
 
 
 def _plot(path: str, results: dict[str, dict[str, Any]], machine: dict[str, Any]) -> str:
@@ -455,15 +405,16 @@ def _plot(path: str, results: dict[str, dict[str, Any]], machine: dict[str, Any]
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=None)
+    parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args(argv)
-    run(models=[m for m in args.models.split(",") if m], quick=args.quick, out=args.out,
-        rounds=args.rounds, steps=args.steps,
-        variants=[v for v in args.variants.split(",") if v])
+    run(models=None if args.models is None else [m for m in args.models.split(",") if m],
+        quick=args.quick, out=args.out, rounds=args.rounds, steps=args.steps,
+        variants=[v for v in args.variants.split(",") if v], memory=not args.no_memory)
 
 
 if __name__ == "__main__":

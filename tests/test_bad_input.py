@@ -28,8 +28,9 @@ from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
 from keras_mp.execution import fused_update, step_trial
 from keras_mp.fused import layers, ops
+from keras_mp.fused import losses as fused_losses
 from keras_mp.scaling import kernels, layer_scales, loss_scale, optimizer
-from keras_mp.device import xla
+from keras_mp.device import memory, xla
 from keras_mp.fused.fuse import fuse as fuse_model
 
 MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adaptive.controller",
@@ -39,8 +40,10 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
            "adaptive.state", "adaptive.stats", "adaptive.switching",
            "adaptive.tensorboard", "callbacks", "cli", "cli.command", "cli.demo",
            "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
-           "device", "device.capabilities", "device.xla", "distribute", "execution",
+           "device", "device.capabilities", "device.memory", "device.xla", "distribute",
+           "execution",
            "execution.fused_update", "execution.step_trial", "fused", "fused.fuse", "fused.layers",
+           "fused.losses",
            "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.layer_scales",
            "scaling.loss_scale", "scaling.optimizer", "tuning"]
 
@@ -56,6 +59,8 @@ NO_ARGUMENTS = {
     "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
+    "device.memory.process_rss", "device.memory.process_peak_rss", "device.memory.step_device",
+    "fused.layers.fused_activation",  # a lookup: None for anything without a fused kernel
 }
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
@@ -178,6 +183,15 @@ CASES = [
      "`strategy`"),
     # fuse
     ("fused.fuse.fuse", lambda: fuse_model("model"), TypeError, "`model`"),
+    ("fused.fuse.fuse", lambda: fuse_model(_model(), inplace=1), TypeError, "`inplace`"),
+    ("fused.losses.SparseCategoricalCrossentropy",
+     lambda: fused_losses.SparseCategoricalCrossentropy(reduction="x"), ValueError, "reduction"),
+    ("fused.losses.fusable_losses", lambda: fused_losses.fusable_losses("m"), TypeError,
+     "`model`"),
+    ("fused.losses.fusing", lambda: _enter(fused_losses.fusing(["x"])), TypeError, "`losses`"),
+    ("fused.ops.sparse_softmax_cross_entropy",
+     lambda: ops.sparse_softmax_cross_entropy(tf.zeros([2], tf.int32), x2, dtype="int32"),
+     ValueError, "`dtype`"),
     ("fused.fuse.fuse", lambda: fuse_model(keras.Sequential([keras.layers.Dense(2)])), ValueError,
      "`model`"),
     # kernels
@@ -421,6 +435,14 @@ CASES = [
     # execution
     ("execution.profile", lambda: execution.profile("QPU"), ValueError, "`device_type`"),
     ("execution.profile", lambda: execution.profile(rounds=0), ValueError, "`rounds`"),
+    ("execution.profile", lambda: execution.profile(steps="no"), TypeError, "`steps`"),
+    ("device.memory.allocator", lambda: memory.allocator(0), TypeError, "`device`"),
+    ("device.memory.reset_peak", lambda: memory.reset_peak(0), TypeError, "`device`"),
+    ("device.memory.footprint", lambda: memory.footprint(0), TypeError, "`device`"),
+    ("adaptive.probe.after", lambda: probe.after((x2,), ["tensor"]), TypeError, "`deps`"),
+    ("execution.step_trial.StepTrial",
+     lambda: step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 1.05, print,
+                                  memory_heavy=["xla"]), ValueError, "`memory_heavy`"),
     ("execution.choose", lambda: execution.choose(["int8"]), ValueError, "`dtypes`"),
     ("execution.configure", lambda: execution.configure(3), TypeError, "`model`"),
     ("execution.configure", lambda: execution.configure(_model()), ValueError, "`model`"),

@@ -10,7 +10,8 @@ callables that Keras looks up when it traces a step:
   layers are called (the forward order, input first); a float8-capable
   layer's call also reports its float8 evidence, forward and backward;
 * the model's ``train_step``: on a probe trace, first runs the float32 probe
-  (:mod:`keras_mp.adaptive.probe`) on the same batch, applying nothing;
+  (:mod:`keras_mp.adaptive.probe`) on the same batch, applying nothing, then
+  the step itself (after the probe, so that their tensors do not add up);
 * the optimizer's ``apply``, where the optimizer is not a
   :class:`keras_mp.LossScaleOptimizer` (which has its own
   ``statistics_sink``): on a statistics trace, measures the gradients
@@ -59,6 +60,7 @@ import tensorflow as tf
 
 from keras_mp._installed import install_method, installed
 from keras_mp.adaptive import float8, forward
+from keras_mp.adaptive import probe as probe_lib
 from keras_mp.scaling import kernels, layer_scales
 
 __all__ = ["Hooks"]
@@ -246,6 +248,9 @@ class Hooks:
                     with hooks.paused():
                         result = hooks.probe_fn(data)
                     hooks._slot()["probe"] = result
+                    # The real step after the probe, not beside it: their
+                    # tensors are never alive together.
+                    data = probe_lib.after(data, result)
                 return original(data)
             return train_step
 

@@ -106,19 +106,24 @@ def _execution_lines(device_type: str) -> list[str]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    try:
+    # keras_mp/cli/command.py -> the folder holding keras_mp/
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.path.isfile(os.path.join(root, "benchmarks", "suite.py")):
+        # A source checkout: its own benchmarks/, beside the keras_mp it runs
+        # (an editable install may map keras_mp.benchmarks to another checkout).
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        from benchmarks import suite
+    else:
         # Installed: benchmarks/ ships as keras_mp.benchmarks.
         from keras_mp.benchmarks import suite
-    except ModuleNotFoundError:
-        # A source checkout on sys.path (e.g. tests run from the repository
-        # root) shadows the installed package and has benchmarks/ beside it.
-        from benchmarks import suite
 
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    models = None if args.models is None else [
+        m.strip() for m in args.models.split(",") if m.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()] \
         if args.variants else suite.VARIANTS
     suite.run(models=models, quick=args.quick, out=args.out, rounds=args.rounds,
-              steps=args.steps, variants=variants)
+              steps=args.steps, variants=variants, memory=not args.no_memory)
     return 0
 
 
@@ -179,9 +184,11 @@ def _parser() -> argparse.ArgumentParser:
                     "mixed_bfloat16, mixed_float16, each with and without XLA) in one "
                     "process, in interleaved rounds, by process CPU time and wall time; "
                     "prints medians, spreads and ratios against Keras float32 and the best "
-                    "Keras variant; writes bench.json and bench.png.")
+                    "Keras variant, and each variant's peak memory (a fresh process each); "
+                    "writes bench.json and bench.png.")
     bench.add_argument("--quick", action="store_true",
-                       help="smaller shapes (a few minutes on 2 cores)")
+                       help="the mlp and transformer models, smaller (under 3 minutes on 2 "
+                            "cores)")
     bench.add_argument("--variants", default=None,
                        help="comma-separated subset of keras_float32, keras_float32_xla, "
                             "keras_mixed_bfloat16, keras_mixed_bfloat16_xla, "
@@ -190,11 +197,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=None,
                        help="interleaved timed rounds, >= 5 (default: 5 quick, 7 full)")
     bench.add_argument("--steps", type=int, default=None,
-                       help="training steps per round and variant, >= 5 (default: 5 quick, "
-                            "8 full)")
-    bench.add_argument("--models", default="mlp,cnn,transformer",
-                       help="comma-separated, among mlp, cnn, transformer "
-                            "(default: %(default)s)")
+                       help="training steps per round and variant, >= 5 (default: 20)")
+    bench.add_argument("--models", default=None,
+                       help="comma-separated, among mlp, cnn, transformer, gpt2 (needs "
+                            "keras-hub), resnet (default: all; with --quick: mlp,transformer)")
+    bench.add_argument("--no-memory", action="store_true",
+                       help="do not measure each variant's peak memory")
     bench.add_argument("--out", default=None, help="folder for bench.json and bench.png")
     bench.set_defaults(func=_bench)
 

@@ -22,11 +22,13 @@ import keras
 
 from keras_mp import _installed
 from keras_mp.device import xla
-from keras_mp.execution import fused_update, placement, step_trial
+from keras_mp.execution import fused_update, micro_benchmark, placement, step_trial
+from keras_mp.fused import losses as fused_losses
 from keras_mp.execution.placement import compute_dtypes as _compute_dtypes
 from keras_mp.execution.micro_benchmark import MARGIN
 
-__all__ = ["MODES", "ENV_VAR", "MAPS_BUDGET", "configure", "chosen", "candidate_modes"]
+__all__ = ["MODES", "ENV_VAR", "MAPS_BUDGET", "XLA_MATMUL_FLOOR", "configure", "chosen",
+           "candidate_modes"]
 
 #: Accepted values of ``mode`` and of the ``KERAS_MP_EXECUTION`` variable.
 MODES: tuple[str, ...] = ("auto", "xla", "xla_update", "graph", "keep")
@@ -35,6 +37,10 @@ ENV_VAR = "KERAS_MP_EXECUTION"
 #: Past this fraction of the process's memory maps (:func:`keras_mp.device.xla.memory_maps`),
 #: no new XLA compilation is tried.
 MAPS_BUDGET = 0.5
+#: The whole step is tried under XLA only where XLA's matmuls in the model's
+#: narrowest compute dtype reach this fraction of the graph's throughput
+#: (:func:`keras_mp.execution.profile`, matmuls only).
+XLA_MATMUL_FLOOR = 0.8
 
 _ATTR = "execution"  # the model's keras_mp._installed holder keeps its _State here
 _log = logging.getLogger("keras_mp")
@@ -72,6 +78,24 @@ def _graph_only_reason(model: keras.Model) -> str | None:
     return _maps_reason()
 
 
+def _slow_matmul_reason(model: keras.Model) -> str | None:
+    """Why the whole step under XLA cannot win here (None when it may): XLA's
+    matmuls in the model's narrowest compute dtype run far slower than the
+    graph's. (On a 2-core AMD EPYC with AVX512-BF16, XLA:CPU's bfloat16 matmul
+    ran at 71 GFLOP/s against oneDNN's 147, and the whole bfloat16 step
+    under XLA lost on every bench model; each try costs an XLA compilation
+    that stays in memory.)"""
+    dtypes = _compute_dtypes(model)
+    dtype = next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
+    speeds = micro_benchmark.profile(steps=False).matmul.get(dtype, {})
+    if "xla" not in speeds or "graph" not in speeds:
+        return None
+    if speeds["xla"] >= XLA_MATMUL_FLOOR * speeds["graph"]:
+        return None
+    return (f"XLA runs {dtype} matmuls at {speeds['xla']:.0f} GFLOP/s here against "
+            f"{speeds['graph']:.0f} as a TensorFlow graph")
+
+
 @dataclasses.dataclass
 class _State:
     mode: str
@@ -106,7 +130,9 @@ def _update_only_reason(model: keras.Model) -> str | None:
 
 def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     """The modes ``mode="auto"`` measures for ``model``: ``"graph"`` first,
-    then ``"xla_update"`` and ``"xla"`` where the model can use them.
+    then ``"xla_update"`` and ``"xla"`` where the model can use them
+    (``"xla"`` only where XLA's matmuls in the model's narrowest compute
+    dtype reach :data:`XLA_MATMUL_FLOOR` of the graph's here).
 
     Example:
         >>> import keras
@@ -122,7 +148,8 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     modes = ["graph"]
     if _update_only_reason(model) is None and "xla_update" not in failed:
         modes.append("xla_update")
-    if _graph_only_reason(model) is None and "xla" not in failed:
+    if _graph_only_reason(model) is None and "xla" not in failed \
+            and _slow_matmul_reason(model) is None:
         modes.append("xla")
     return tuple(modes)
 
@@ -144,7 +171,10 @@ def _decide(model: keras.Model, state: _State) -> str:
         return "graph"
     if len(candidate_modes(model)) == 1:
         if not state.told:
-            reason = _graph_only_reason(model) or "XLA could not compile it"
+            reason = (_graph_only_reason(model) or _update_only_reason(model)
+                      or "XLA could not compile it")
+            if _graph_only_reason(model) is None and _slow_matmul_reason(model) is not None:
+                reason = f"{_slow_matmul_reason(model)}, and {reason}"
             _log.log(logging.WARNING if "memory maps" in reason else logging.INFO,
                      "keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
             state.told = True
@@ -180,13 +210,26 @@ def _with_update(fn: Callable[..., Any]) -> Callable[..., Any]:
     return train_function
 
 
+def _with_losses(fn: Callable[..., Any], losses: list) -> Callable[..., Any]:
+    """``fn``, traced (now or on a retrace) with the model's Keras
+    cross-entropy as the fused kernel (:mod:`keras_mp.fused.losses`)."""
+
+    def train_function(iterator):
+        with fused_losses.fusing(losses):
+            return fn(iterator)
+
+    return train_function
+
+
 def _build(model: keras.Model, state: _State, mode: str) -> Callable[..., Any]:
     model.jit_compile = mode == "xla"
     state.original(force=True)
-    if mode != "xla_update":
-        return model.train_function  # traced as Keras traces it: nothing added per call
-    fused_update.install(model.optimizer)
-    return _with_update(model.train_function)
+    fn = model.train_function  # traced as Keras traces it
+    if mode == "xla_update":
+        fused_update.install(model.optimizer)
+        fn = _with_update(fn)
+    losses = fused_losses.fusable_losses(model) if xla.uses_xla("elementwise") else []
+    return _with_losses(fn, losses) if losses else fn
 
 
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
@@ -211,7 +254,8 @@ def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
             model.jit_compile = mode == "xla"
             model.test_function = model.predict_function = None
 
-    return step_trial.StepTrial(record, candidates, MARGIN, decided)
+    heavy = ("xla",) if "xla" in candidates else ()
+    return step_trial.StepTrial(record, candidates, MARGIN, decided, memory_heavy=heavy)
 
 
 def _guarded(model: keras.Model, state: _State, mode: str, fn: Callable[..., Any],

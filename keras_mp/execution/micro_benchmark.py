@@ -31,7 +31,7 @@ __all__ = ["MARGIN", "ExecutionProfile", "profile", "choose"]
 #: and by wall time) to be kept.
 MARGIN = 1.05
 
-_cache: dict[str, ExecutionProfile] = {}
+_cache: dict[str | tuple[str, str], ExecutionProfile] = {}  # device (full) or (device, "matmul")
 _lock = threading.Lock()
 _log = logging.getLogger("keras_mp")
 
@@ -130,7 +130,7 @@ def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int,
 
 
 def _measure(device_type: str, dtypes: Iterable[str], use_xla: bool, batch: int, width: int,
-             rounds: int) -> tuple[dict, dict]:
+             rounds: int, steps: bool = True) -> tuple[dict, dict]:
     step: dict[str, dict[str, tuple[float, float]]] = {}
     matmul: dict[str, dict[str, float]] = {}
     n = 2 * width
@@ -139,8 +139,9 @@ def _measure(device_type: str, dtypes: Iterable[str], use_xla: bool, batch: int,
             modes = (False, True) if use_xla else (False,)
             names = {False: "graph", True: "xla"}
             try:
-                step[dtype] = _interleaved(
-                    {names[j]: _probe_step(dtype, batch, width, j) for j in modes}, rounds, 3)
+                if steps:
+                    step[dtype] = _interleaved(
+                        {names[j]: _probe_step(dtype, batch, width, j) for j in modes}, rounds, 3)
                 mm = _interleaved({names[j]: _probe_matmul(dtype, n, j) for j in modes},
                                   rounds, 3)
             except (tf.errors.OpError, TypeError, ValueError) as e:
@@ -153,10 +154,16 @@ def _measure(device_type: str, dtypes: Iterable[str], use_xla: bool, batch: int,
 
 
 def profile(device_type: str | None = None, *, refresh: bool = False, batch: int = 256,
-            width: int = 512, rounds: int = 5) -> ExecutionProfile:
+            width: int = 512, rounds: int = 5, steps: bool = True) -> ExecutionProfile:
     """Measures (once per process and device type) graph against XLA.
 
-    Takes a few seconds on a 2-core CPU, most of it XLA compilation.
+    Takes a few seconds on a 2-core CPU, most of it XLA compilation. Each
+    XLA compilation stays in the process's memory (TensorFlow never frees
+    an XLA:CPU executable): on a 2-core AMD EPYC the full profile added 201
+    MB to the process's resident memory, the matmuls alone 112 MB (most of
+    it the process's first XLA compilation, which fused kernels make
+    anyway), so training (:mod:`keras_mp.execution.placement`) asks for the
+    matmuls only.
 
     Args:
         device_type: ``"CPU"``, ``"GPU"`` or ``"TPU"``; the device new ops
@@ -166,6 +173,8 @@ def profile(device_type: str | None = None, *, refresh: bool = False, batch: int
         width: width of the probe model (>= 16); the matmul probe is
             ``2 * width`` square.
         rounds: interleaved timing rounds (>= 1); medians are kept.
+        steps: also time the probe train step (``step``); False: matmuls
+            only (``step`` is empty unless a full profile is cached).
 
     Returns:
         An :class:`ExecutionProfile`.
@@ -174,17 +183,21 @@ def profile(device_type: str | None = None, *, refresh: bool = False, batch: int
     for name, value, low in (("batch", batch, 8), ("width", width, 16), ("rounds", rounds, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+    if not isinstance(steps, bool):
+        raise TypeError(f"`steps` must be a bool, got {steps!r}.")
     with _lock:
         if not refresh and device_type in _cache:
             return _cache[device_type]
+        if not refresh and not steps and (device_type, "matmul") in _cache:
+            return _cache[(device_type, "matmul")]
     # The dtypes "adaptive" computes in here (a "fast" float16 matmul can still
     # sit in a step of emulated float16 elementwise ops, seconds per step).
     dtypes = tuple(dict.fromkeys(("float32", *device.default_candidates(device_type))))
     available = xla.xla_available(device_type)
-    step, matmul = _measure(device_type, dtypes, available, batch, width, rounds)
+    step, matmul = _measure(device_type, dtypes, available, batch, width, rounds, steps)
     result = ExecutionProfile(device_type, available, step, matmul)
     with _lock:
-        _cache[device_type] = result
+        _cache[device_type if steps else (device_type, "matmul")] = result
     return result
 
 

@@ -42,7 +42,7 @@ def apply(model: keras.Model) -> None:
     """Points the fused layers' matmuls at the faster of graph and XLA for
     the narrowest dtype the model computes in (measured, not from flags),
     and, where matmuls stay outside XLA, their epilogues (:func:`epilogue`)."""
-    prof = profile()
+    prof = profile(steps=False)
     dtypes = compute_dtypes(model)
     dtype = next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
     if dtype in prof.matmul and "xla" in prof.matmul[dtype]:
@@ -58,7 +58,7 @@ def _fused_dense_activations(model: keras.Model) -> list[str]:
     names = set()
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, fused_layers.Dense) and layer.fused:
-            name, approximate = fused_layers._FUSED_ACTIVATIONS[layer.activation]
+            name, approximate = fused_layers.fused_activation(layer.activation)
             names.add(kops.activation._check_activation(name, approximate))
     return sorted(names)
 

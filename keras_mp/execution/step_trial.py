@@ -26,6 +26,20 @@ The cost: one XLA compilation of each mode and ``2 + PAIRS`` calls of each
 slower mode (:func:`calls_to_decide`). If a mode cannot compile, the same
 batch is rerun as a graph, one warning says so, and the trial goes on
 without that mode.
+
+Memory: a mode's buffers and compiled code stay in the process after the
+trial whether it wins or not (TensorFlow's CPU allocator keeps every region
+it grew, and never frees an XLA:CPU executable). The whole step compiled by
+XLA holds its own copy of the step's tensors: on a 2-block Transformer (T=256,
+d=512, batch 64, bfloat16, 2-core AMD EPYC) trying it raised the process's
+peak from 2.9 to 5.1 GB, against 3.2 GB for Keras's ``mixed_bfloat16``
+(``python -m benchmarks.transformer_memory``). So a mode named in
+``memory_heavy`` is tried only where that copy fits: after the graph's first
+call, the memory its tensors took (TensorFlow's allocator peak during the
+call, its statistics reset before it, minus what was live before the call;
+or the process's growth where the allocator keeps no statistics) must be at most :data:`MEMORY_BUDGET` of the process's
+resident memory (the allocator's peak on a GPU); otherwise the mode is
+skipped, and one INFO message says so.
 """
 
 from __future__ import annotations
@@ -40,10 +54,16 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["PAIRS", "Record", "StepTrial", "FirstCallGuard", "calls_to_decide"]
+from keras_mp.device import memory
+
+__all__ = ["PAIRS", "MEMORY_BUDGET", "Record", "StepTrial", "FirstCallGuard",
+           "calls_to_decide"]
 
 #: Timed rounds (one call of each mode) before the decision.
 PAIRS = 4
+#: A ``memory_heavy`` mode is tried only where the graph step's tensors are at
+#: most this fraction of the memory the process holds.
+MEMORY_BUDGET = 0.05
 _WARMUP = 2  # untimed calls of each mode: tracing/compilation, then one more
 _NAMES = {"graph": "as a TensorFlow graph", "xla": "under XLA",
           "xla_update": "as a TensorFlow graph with the optimizer update under XLA"}
@@ -76,12 +96,17 @@ class Record:
             ``{"graph": [...], "xla_update": [...], "xla": [...]}``.
         decision: the chosen mode (``"graph"``, ``"xla_update"``, ``"xla"``)
             or None while measuring.
+        step_bytes: what the graph step's tensors took on its first call
+            (bytes; None until measured or where unknown).
+        skipped: mode -> why it was not tried (its memory would not fit).
     """
 
     owner: int | None = None
     calls: int = 0
     samples: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     decision: str | None = None
+    step_bytes: int | None = None
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def medians(self) -> dict[str, tuple[float, float]]:
         """Median (CPU s, wall s) per timed call of each mode."""
@@ -209,10 +234,13 @@ class StepTrial:
         margin: how much faster than the graph another mode must be, by
             both clocks.
         on_decision: called once with the chosen mode's name.
+        memory_heavy: modes that hold a second copy of the step's tensors
+            (e.g. ``("xla",)``): tried only where it fits (module docstring).
     """
 
     def __init__(self, record: Record, candidates: dict[str, Callable[..., Any]],
-                 margin: float, on_decision: Callable[[str], None]):
+                 margin: float, on_decision: Callable[[str], None],
+                 memory_heavy: tuple[str, ...] = ()):
         if not isinstance(record, Record):
             raise TypeError(f"`record` must be a step_trial.Record, got {type(record).__name__}.")
         if not isinstance(candidates, dict) or next(iter(candidates), None) != "graph" \
@@ -221,11 +249,42 @@ class StepTrial:
                              f"'graph' first, got {candidates!r}.")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 1.0:
             raise ValueError(f"`margin` must be a number >= 1, got {margin!r}.")
+        if not isinstance(memory_heavy, tuple) or any(m not in candidates or m == "graph"
+                                                      for m in memory_heavy):
+            raise ValueError("`memory_heavy` must be a tuple of candidate modes other than "
+                             f"'graph', got {memory_heavy!r}.")
         self.record, self._fns = record, dict(candidates)
         self._margin, self._on_decision = margin, on_decision
+        self._heavy = memory_heavy
 
     def _modes(self) -> list[str]:
-        return [m for m, f in self._fns.items() if not getattr(f, "failed", False)]
+        return [m for m, f in self._fns.items()
+                if not getattr(f, "failed", False) and m not in self.record.skipped]
+
+    def _first_graph_call(self, iterator):
+        """The graph's first call, measuring what its tensors take; then the
+        memory-heavy modes that would not fit are skipped."""
+        rec = self.record
+        before, rss0 = memory.allocator(), memory.process_rss()
+        reset = before is not None and memory.reset_peak()
+        out, cpu, wall = _timed(self._fns["graph"], iterator, "graph")
+        after, rss1 = memory.allocator(), memory.process_rss()
+        if reset and after is not None:
+            rec.step_bytes = max(after[1] - before[0], 0)
+        elif rss0 is not None and rss1 is not None:
+            rec.step_bytes = max(rss1 - rss0, 0)
+        size = memory.footprint()
+        for mode in self._heavy:
+            if mode in rec.skipped or rec.step_bytes is None or size is None \
+                    or rec.step_bytes <= MEMORY_BUDGET * size:
+                continue
+            rec.skipped[mode] = (
+                f"the step's tensors took {rec.step_bytes / 2**20:.0f} MiB, more than "
+                f"{MEMORY_BUDGET:.0%} of the {size / 2**20:.0f} MiB this process holds, and "
+                f"the step {_NAMES.get(mode, mode)} would keep a copy of its own")
+            _log.info("keras_mp: this model's train step is not tried %s: %s.",
+                      _NAMES.get(mode, mode), rec.skipped[mode])
+        return out, cpu, wall
 
     def __call__(self, iterator):
         rec = self.record
@@ -238,7 +297,15 @@ class StepTrial:
         modes = self._modes()
         mode = modes[rec.calls % len(modes)]
         fn = self._fns[mode]
-        out, cpu, wall = _timed(fn, iterator, mode)
+        if rec.calls == 0 and self._heavy:
+            out, cpu, wall = self._first_graph_call(iterator)
+            modes = self._modes()
+            if len(modes) == 1:
+                rec.calls = 1
+                self._decide("graph", "; ".join(rec.skipped.values()))
+                return out
+        else:
+            out, cpu, wall = _timed(fn, iterator, mode)
         rec.calls += 1
         if getattr(fn, "failed", False):
             # This mode could not compile (the guard reran the batch as a

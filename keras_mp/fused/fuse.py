@@ -1,4 +1,6 @@
-"""``fuse(model)``: a copy of a Keras model with its layers swapped for fused ones.
+"""``fuse(model)``: a Keras model with its layers swapped for fused ones, as a
+copy (functional and Sequential models) or in place (any model, subclassed
+ones and KerasHub's included, down to the layers inside other layers).
 
 Example:
     >>> import keras, numpy as np
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 import keras
 
-from keras_mp.fused.layers import FUSED_LAYERS
+from keras_mp.device import xla
+from keras_mp.fused.layers import FUSED_LAYERS, MultiHeadAttention
 
 __all__ = ["fuse"]
 
@@ -32,41 +35,96 @@ def _swap(layer: keras.layers.Layer) -> keras.layers.Layer:
     return layer.__class__.from_config(config)
 
 
-def fuse(model: keras.Model) -> keras.Model:
-    """Returns a copy of ``model`` with the supported layers fused.
+def fuse(model: keras.Model, *, inplace: bool = False) -> keras.Model:
+    """Returns ``model`` with the supported layers fused: a copy, or the model
+    itself with ``inplace=True``.
 
-    ``keras.layers.Dense``, ``LayerNormalization``, ``RMSNormalization`` and
-    ``Softmax`` (exactly these classes, not subclasses of them) become their
-    :mod:`keras_mp.fused.layers` counterparts, with the same config, so the same
-    dtype policy, and the same weights; nested functional and Sequential
-    models are fused too. The original model is left untouched. The copy is
-    not compiled: compile it as you would the original.
+    ``keras.layers.Dense``, ``LayerNormalization``, ``RMSNormalization``,
+    ``Softmax`` and ``MultiHeadAttention`` (exactly these classes, not
+    subclasses of them) become their :mod:`keras_mp.fused.layers`
+    counterparts, with the same config, so the same dtype policy, and the
+    same weights; layers inside other layers (a KerasHub
+    ``TransformerDecoder``'s ``Dense``, ``LayerNormalization`` and its
+    attention's ``Softmax``) and nested models are fused too. In place, a
+    layer whose fused class would run Keras's code anyway (a Dense whose
+    activation has no fused kernel, normalization over another axis, a
+    ``MultiHeadAttention`` where matmuls stay outside XLA) keeps its Keras
+    class; the copy swaps every layer of a supported class, as before.
 
     Args:
-        model: a built Keras functional or ``Sequential`` model.
+        model: a built Keras model.
+        inplace: False: a new, uncompiled model (functional and ``Sequential``
+            models only), the original left untouched. True: the layers of
+            ``model`` itself change class (nothing else about them changes:
+            weights, names, config), which works for any model, subclassed
+            ones included; its train, test and predict functions are reset
+            (compile again only if you had not compiled it yet).
 
     Returns:
-        The fused copy, whose outputs equal the original's within the
-        rounding of its compute dtype.
+        The fused model, whose outputs equal the original's within the
+        rounding of its compute dtype. A ``.keras`` file of it names the fused
+        classes: load it with ``keras_mp`` imported.
 
     Raises:
-        TypeError: ``model`` is not a functional or Sequential model
-            (a subclassed model's ``call`` cannot be rewired from outside).
+        TypeError: ``model`` is not a Keras model, or (``inplace=False``)
+            not a functional or Sequential model (a subclassed model's
+            ``call`` cannot be rewired from outside: use ``inplace=True``).
         ValueError: ``model`` is not built yet.
+
+    Example:
+        >>> import keras
+        >>> class Net(keras.Model):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.norm = keras.layers.LayerNormalization()
+        ...     def call(self, x):
+        ...         return self.norm(x)
+        >>> net = Net(); _ = net(keras.ops.ones((2, 4)))
+        >>> type(fuse(net, inplace=True).norm).__module__
+        'keras_mp.fused.layers'
     """
-    if not isinstance(model, keras.Model) or not _is_graph_model(model):
+    if not isinstance(inplace, bool):
+        raise TypeError(f"`inplace` must be a bool, got {inplace!r}.")
+    if not isinstance(model, keras.Model) or (not inplace and not _is_graph_model(model)):
         raise TypeError(
             "`model` must be a Keras functional or Sequential model, got "
-            f"{type(model).__name__}; for a subclassed model, use the layers "
-            "of keras_mp.fused.layers in its definition instead.")
+            f"{type(model).__name__}; for a subclassed model (KerasHub's included), "
+            "call fuse(model, inplace=True).")
     if not model.built:
         raise ValueError(
             "`model` must be built (call it once, or give it an Input) so its "
             "weights can be carried over.")
+    if inplace:
+        _swap_in_place(model)
+        model.train_function = model.test_function = model.predict_function = None
+        return model
     fused = keras.models.clone_model(model, clone_function=_swap, recursive=True)
     _copy_weights(model, fused)
     _share_policies(model, fused)
+    _swap_in_place(fused)  # layers inside layers, which cloning rebuilt from their config
     return fused
+
+
+def _swap_in_place(model: keras.Model) -> None:
+    """Gives every layer of an exact supported class, at any depth, its fused
+    class where the fused kernel would run (the fused classes add no state,
+    only :meth:`call` differs); a layer that would run Keras's code anyway
+    (an activation without a kernel, another axis) keeps its Keras class, so
+    a saved model needs keras_mp only where it uses a fused layer."""
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        fused_cls = FUSED_LAYERS.get(type(layer))
+        if fused_cls is None:
+            continue
+        if fused_cls is MultiHeadAttention and not xla.uses_xla("matmul"):
+            continue  # its fused path needs XLA's matmuls (keras_mp.fused.layers)
+        original = type(layer)
+        shapes = getattr(layer, "_build_shapes_dict", None) or {}
+        shape = next(iter(shapes.values()), None)
+        layer.__class__ = fused_cls
+        if hasattr(fused_cls, "_input_rank") and shape is not None:
+            layer._input_rank = len(shape)
+        if not getattr(layer, "fused", True):
+            layer.__class__ = original
 
 
 def _is_graph_model(model: keras.Model) -> bool:

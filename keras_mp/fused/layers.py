@@ -31,7 +31,7 @@ from keras_mp.fused import ops as kops
 from keras_mp.device import xla
 
 __all__ = ["Dense", "LayerNormalization", "MultiHeadAttention", "RMSNormalization", "Softmax",
-           "FUSED_LAYERS"]
+           "FUSED_LAYERS", "fused_activation"]
 
 # Keras activation functions with a fused kernel, and how the kernel names them.
 _FUSED_ACTIVATIONS: dict[Any, tuple[str, bool]] = {
@@ -41,6 +41,26 @@ _FUSED_ACTIVATIONS: dict[Any, tuple[str, bool]] = {
     keras.activations.silu: ("silu", False),
     keras.activations.tanh: ("tanh", False),
 }
+
+
+def fused_activation(fn: Any) -> tuple[str, bool] | None:
+    """``(kernel name, approximate)`` of the fused kernel for the activation
+    function ``fn``, or None where there is none. KerasHub's
+    ``gelu_approximate`` (GPT-2's) is the tanh form of GELU.
+
+    Example:
+        >>> import keras
+        >>> fused_activation(keras.activations.gelu), fused_activation(keras.activations.elu)
+        (('gelu', False), None)
+    """
+    try:
+        hit = _FUSED_ACTIVATIONS.get(fn)
+    except TypeError:  # not hashable
+        return None
+    if hit is None and getattr(fn, "__name__", None) == "gelu_approximate" \
+            and str(getattr(fn, "__module__", "")).startswith("keras_hub."):
+        return ("gelu", True)
+    return hit
 
 
 def _last_axis(axis: Any, rank: int | None) -> bool:
@@ -60,7 +80,8 @@ class Dense(keras.layers.Dense):
     with AMX, which XLA:CPU does not use; XLA elsewhere), the epilogue
     ``activation(x @ kernel + bias)`` is one XLA kernel forward and one
     backward (or part of the matmul's XLA computation). Activations fused: None/linear, relu, gelu (exact, as Keras's
-    ``"gelu"``), silu/swish, tanh; any other runs as in Keras.
+    ``"gelu"``; KerasHub's ``gelu_approximate``, the tanh form), silu/swish, tanh; any other
+    runs as in Keras.
 
     Example:
         >>> import keras
@@ -74,7 +95,7 @@ class Dense(keras.layers.Dense):
     @property
     def fused(self) -> bool:
         """Whether :meth:`call` runs the fused epilogue (else Keras's code)."""
-        return (self.activation in _FUSED_ACTIVATIONS
+        return (fused_activation(self.activation) is not None
                 and not self.lora_enabled
                 and not self.quantization_mode)
 
@@ -88,7 +109,7 @@ class Dense(keras.layers.Dense):
             return super().call(inputs, training=training)
         # keras_mp.device.xla places the matmul: outside XLA on CPUs with AMX (oneDNN
         # runs bf16 matmuls ~3x faster than XLA:CPU there), inside elsewhere.
-        name, approximate = _FUSED_ACTIVATIONS[self.activation]
+        name, approximate = fused_activation(self.activation)
         return kops.dense_activation(inputs, self.kernel, self.bias, name,
                                      approximate=approximate)
 

@@ -93,12 +93,19 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     assert mlp["keras_mp"]["mode"] in ("xla", "xla_update", "graph")
     probe = mlp["keras_mp"]["probe"]  # None where "adaptive" is float32 alone
     assert probe is None or (probe["every"] == 200 and probe["per_step_cpu_s"] > 0)
+    # Peak memory, a fresh process per variant: keras_float32 and keras_mp
+    # (the Keras one-liner of its dtype is not among these variants).
+    for v in ("keras_float32", "keras_mp"):
+        mem = mlp[v]["memory"]
+        assert mem["peak_rss_mib"] > mem["baseline_rss_mib"] > 0
+    assert mlp["keras_float32_xla"]["memory"] is None and report["seconds"] > 0
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    assert "Best Keras one-liner" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Best Keras one-liner" in out and "peak MiB" in out
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["bench", "--models", "resnet"], "models"),
+    (["bench", "--models", "vgg"], "models"),
     (["bench", "--variants", "keras_int8"], "variants"),
     (["bench", "--rounds", "3"], "rounds"),
     (["demo", "--epochs", "0"], "epochs"),

@@ -279,3 +279,45 @@ def test_no_new_xla_compilation_near_the_memory_map_limit(monkeypatch, caplog):
         execution.configure(_model(), mode="xla")
     monkeypatch.setattr(xla, "memory_maps", lambda: None)  # not Linux: no limit known
     assert execution.candidate_modes(_model()) == ("graph", "xla_update", "xla")
+
+
+def _trial(graph_bytes):
+    """A trial of two modes whose graph call holds ``graph_bytes`` of tensors."""
+    calls = {"graph": 0, "xla": 0}
+
+    def mode(name, nbytes):
+        def run(_):
+            calls[name] += 1
+            return tf.reduce_sum(tf.zeros([max(nbytes // 4, 1)]))
+        return run
+
+    decided = []
+    trial = step_trial.StepTrial(step_trial.Record(), {"graph": mode("graph", graph_bytes),
+                                                       "xla": mode("xla", 4)},
+                                 1.05, decided.append, memory_heavy=("xla",))
+    return trial, calls, decided
+
+
+def test_a_memory_heavy_mode_is_tried_only_where_it_fits(caplog):
+    from keras_mp.device import memory
+
+    rss = memory.footprint()
+    if rss is None or memory.allocator() is None:
+        pytest.skip("no memory figures on this platform")
+    # The graph's tensors: 10 % of the process (a second copy would not fit).
+    trial, calls, decided = _trial(int(0.10 * rss))
+    with caplog.at_level(logging.INFO, logger="keras_mp"):
+        trial(None)
+    assert decided == ["graph"] and calls == {"graph": 1, "xla": 0}
+    assert trial.record.step_bytes >= 0.10 * rss and "xla" in trial.record.skipped
+    assert any("not tried under XLA" in r.getMessage() for r in caplog.records)
+    # A step of 1 MiB: the mode is measured. (TensorFlow's oneDNN CPU allocator
+    # counts allocations from 256 KiB up; smaller ones go to malloc.)
+    trial, calls, decided = _trial(2**20)
+    for _ in range(step_trial.calls_to_decide(2)):
+        trial(None)
+    assert calls["xla"] == step_trial.calls_to_decide(2) // 2 and len(decided) == 1
+    assert trial.record.skipped == {} and trial.record.step_bytes < 0.05 * rss
+    with pytest.raises(ValueError, match="`memory_heavy`"):
+        step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 1.05, print,
+                             memory_heavy=("graph",))

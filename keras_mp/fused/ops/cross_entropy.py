@@ -31,7 +31,7 @@ def _ce_fwd(labels, logits):
     loss = tf.reduce_logsumexp(z, -1) - picked
     # An out-of-range label is a bug in the data; NaN makes it visible (and
     # trips the loss scaler's finite check) instead of a plausible loss.
-    return tf.cast(tf.where(valid, loss, float("nan")), logits.dtype)
+    return tf.where(valid, loss, float("nan"))  # float32: the caller casts
 
 
 @xla.jit("elementwise")
@@ -42,16 +42,19 @@ def _ce_bwd(dloss, labels, logits):
     return tf.cast(g, logits.dtype)
 
 
-def sparse_softmax_cross_entropy(labels, logits) -> tf.Tensor:
+def sparse_softmax_cross_entropy(labels, logits, *, dtype=None) -> tf.Tensor:
     """Per-example ``-log softmax(logits)[label]``, in float32 inside.
 
     Args:
         labels: integer class ids, shaped ``logits.shape[:-1]``. A label
             outside ``[0, classes)`` gives a NaN loss (and NaN gradient).
-        logits: float logits, classes on the last axis.
+        logits: float logits, classes on the last axis. 16-bit logits are
+            read as they are: no float32 copy of them is made.
+        dtype: the loss's dtype (e.g. ``"float32"`` for 16-bit logits);
+            None: ``logits``'s dtype.
 
     Returns:
-        The loss per example, shaped like ``labels``, in ``logits``'s dtype.
+        The loss per example, shaped like ``labels``, in ``dtype``.
 
     Example:
         >>> import tensorflow as tf
@@ -63,8 +66,11 @@ def sparse_softmax_cross_entropy(labels, logits) -> tf.Tensor:
     logits = tf.convert_to_tensor(logits)
     labels = tf.convert_to_tensor(labels)
     _check_labels(labels, logits)
+    dtype = tf.as_dtype(dtype or logits.dtype)
+    if not dtype.is_floating:
+        raise ValueError(f"`dtype` must be a floating dtype or None, got {dtype.name}.")
     if not _fused_enabled():
-        return sparse_softmax_cross_entropy_reference(labels, logits)
+        return tf.cast(sparse_softmax_cross_entropy_reference(labels, logits), dtype)
 
     @tf.custom_gradient
     def fused(logits):
@@ -73,7 +79,7 @@ def sparse_softmax_cross_entropy(labels, logits) -> tf.Tensor:
 
         return _ce_fwd(labels, logits), grad
 
-    return fused(logits)
+    return tf.cast(fused(logits), dtype)
 
 
 def sparse_softmax_cross_entropy_reference(labels, logits) -> tf.Tensor:

@@ -1,0 +1,102 @@
+"""The variants ``keras-mp bench`` trains: every Keras one-liner and keras-mp's
+recommended set-up, each as a function that trains one ``model.fit`` epoch.
+
+Example:
+    >>> from benchmarks import models, variants
+    >>> build, data = models.get("mlp", dict(batch=8, features=4, width=8, depth=1), steps=2)
+    >>> train, state = variants.make("keras_float32", build, data, steps=2)
+    >>> train(); state["loss"] > 0
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["KERAS_VARIANTS", "VARIANTS", "make", "dtype_counts", "add_probe_cost"]
+
+KERAS_VARIANTS: tuple[str, ...] = (
+    "keras_float32", "keras_float32_xla", "keras_mixed_bfloat16", "keras_mixed_bfloat16_xla",
+    "keras_mixed_float16", "keras_mixed_float16_xla")
+VARIANTS: tuple[str, ...] = (*KERAS_VARIANTS, "keras_mp")
+
+
+def make(variant: str, build: Callable[[], Any], data, steps: int):
+    """``(train, state)``: ``train(n=steps, on=data)`` trains one epoch of ``n``
+    steps; ``state`` holds the ``model``, the keras_mp ``callback`` (or None)
+    and the last epoch's ``loss``.
+
+    ``keras_mp``: ``keras_mp.set_global_policy("adaptive")`` (here as a
+    scope), ``keras_mp.fuse(model, inplace=True)`` (the in-place form reaches
+    KerasHub's subclassed models and holds no second copy of the model), the
+    default :class:`~keras_mp.callbacks.AdaptivePrecision`, ``compile()``
+    defaults. The others: Keras's policy, ``jit_compile`` True for ``*_xla``.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"`variants` must be among {VARIANTS}, got {variant!r}.")
+    import keras
+
+    import keras_mp
+    from keras_mp import callbacks, policies
+
+    keras.utils.set_random_seed(0)
+    cbs: list[Any] = []
+    jit: bool | str = "auto"
+    if variant == "keras_mp":
+        with policies.policy_scope("adaptive"):
+            model = keras_mp.fuse(build(), inplace=True)
+        cbs = [callbacks.AdaptivePrecision()]  # the defaults, as the README recommends
+    else:
+        policy = variant.removeprefix("keras_").removesuffix("_xla")
+        jit = variant.endswith("_xla")
+        with policies.policy_scope(policy):
+            model = build()
+    model.compile(optimizer=keras.optimizers.Adam(1e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit)
+    state: dict[str, Any] = {"model": model, "callback": cbs[0] if cbs else None}
+
+    def train(n: int = steps, on=data):
+        hist = model.fit(on, epochs=1, steps_per_epoch=n, verbose=0, callbacks=cbs,
+                         shuffle=False)
+        state["loss"] = float(hist.history["loss"][-1])
+
+    return train, state
+
+
+def dtype_counts(model) -> dict[str, int]:
+    """Layers with weights per compute dtype (what the variant really ran)."""
+    counts: dict[str, int] = {}
+    for layer in model._flatten_layers(include_self=False):
+        if layer.weights:
+            counts[layer.compute_dtype] = counts.get(layer.compute_dtype, 0) + 1
+    return counts
+
+
+def add_probe_cost(entry: dict[str, Any], callback, data) -> dict[str, Any] | None:
+    """Times ``callback``'s float32 probe on one batch (median of 3 calls
+    after one to trace) and adds its cost per step (divided by
+    ``probe_every``) to every sample of ``entry``. Returns what was added."""
+    if callback.probe_every is None or getattr(callback, "_inert", False):
+        return None
+    batch = next(iter(data))
+    callback.probe(batch)  # traces
+    cpu, wall = [], []
+    for _ in range(3):
+        c0, w0 = time.process_time(), time.perf_counter()
+        callback.probe(batch)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    added = {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
+             "every": callback.probe_every}
+    for clock in ("cpu", "wall"):
+        per_step = added[f"{clock}_s"] / callback.probe_every
+        added[f"per_step_{clock}_s"] = per_step
+        e = entry[clock]
+        e["samples"] = [x + per_step for x in e["samples"]]
+        for k in ("median", "min", "max"):
+            e[k] += per_step
+    return added

@@ -1,0 +1,110 @@
+"""keras_mp.fuse(model, inplace=True): layers inside subclassed models and
+inside other layers (KerasHub's decoder blocks) change class where a fused
+kernel runs, outputs stay equal, training and .keras files work."""
+
+from __future__ import annotations
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp.fused import layers as klayers
+from keras_mp.fused.fuse import fuse
+
+
+class Block(keras.layers.Layer):
+    """A custom layer holding Keras layers (as KerasHub's blocks do)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.LayerNormalization()
+        self.up = keras.layers.Dense(16, activation="gelu")
+        self.down = keras.layers.Dense(8)
+        self.other = keras.layers.Dense(8, activation="softplus")  # no fused kernel
+        self.softmax = keras.layers.Softmax()
+
+    def call(self, x):
+        h = self.down(self.up(self.norm(x)))
+        return self.softmax(h + self.other(x))
+
+
+class Net(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.head = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+def _x():
+    return np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+
+
+def test_inplace_reaches_layers_inside_layers_of_a_subclassed_model():
+    net = Net()
+    before = np.asarray(net(_x()))
+    assert fuse(net, inplace=True) is net
+    b = net.block
+    assert type(b.norm) is klayers.LayerNormalization and b.norm.fused
+    assert type(b.up) is klayers.Dense and type(b.down) is klayers.Dense
+    assert type(b.softmax) is klayers.Softmax and type(net.head) is klayers.Dense
+    assert type(b.other) is keras.layers.Dense  # softplus: Keras's code, Keras's class
+    np.testing.assert_allclose(net(_x()), before, atol=1e-5)
+    net.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    loss = net.fit(_x(), np.array([0, 1, 2, 0]), epochs=3, verbose=0).history["loss"]
+    assert loss[-1] < loss[0]
+    with pytest.raises(TypeError, match="`inplace`"):
+        fuse(net, inplace="yes")
+    with pytest.raises(TypeError, match="inplace=True"):
+        fuse(Net())  # a copy needs a functional or Sequential model
+
+
+def test_a_model_without_fused_kernels_stays_keras_only():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="softplus")])
+    fuse(model, inplace=True)
+    assert "keras_mp" not in json.dumps(model.get_config())  # loads with Keras alone
+
+
+def test_kerashub_gpt2_blocks_are_fused_in_place(tmp_path):
+    keras_hub = pytest.importorskip("keras_hub")
+    keras_mp.set_global_policy("mixed_bfloat16")
+    try:
+        backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2,
+                                                 hidden_dim=16, intermediate_dim=32,
+                                                 max_sequence_length=8)
+        lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    finally:
+        keras_mp.set_global_policy("float32")
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 8)).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones((2, 8), "int32")}
+    before = np.asarray(lm.predict(x, verbose=0), "float32")
+    fuse(lm, inplace=True)
+    decoder = backbone.transformer_layers[0]
+    ffn = decoder._feedforward_intermediate_dense
+    assert type(ffn) is klayers.Dense and ffn.fused  # GPT-2's tanh GELU has a kernel
+    assert type(decoder._self_attention_layer_norm) is klayers.LayerNormalization
+    assert type(decoder._self_attention_layer._softmax) is klayers.Softmax  # causal mask
+    after = np.asarray(lm.predict(x, verbose=0), "float32")
+    np.testing.assert_allclose(after, before, atol=0.1, rtol=0.05)  # bfloat16 rounding
+    lm.compile(optimizer=keras.optimizers.Adam(1e-3),
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    lm.fit(x, tokens, epochs=1, verbose=0)
+    # KerasHub rebuilds its blocks from their constructor arguments: the file
+    # names no keras_mp class and loads with Keras alone, unfused; fuse again.
+    path = str(tmp_path / "gpt2.keras")
+    lm.save(path)
+    assert "keras_mp" not in json.dumps(lm.get_config())
+    loaded = keras.models.load_model(path)
+    expected = np.asarray(lm.predict(x, verbose=0), "float32")
+    np.testing.assert_allclose(np.asarray(loaded.predict(x, verbose=0), "float32"), expected,
+                               atol=0.1, rtol=0.05)
+    fuse(loaded, inplace=True)
+    inner = loaded.backbone.transformer_layers[0]._feedforward_intermediate_dense
+    assert type(inner) is klayers.Dense
+    np.testing.assert_allclose(np.asarray(loaded.predict(x, verbose=0), "float32"), expected,
+                               atol=1e-2)
