@@ -11,7 +11,7 @@
   weights, with the same 10-class head.
 
 Nothing is downloaded. ``gpt2`` needs the ``keras-hub`` package
-(``pip install "keras-mp[bench]"``); :func:`missing` says so where it is
+(``pip install "keras-mp[hub]"``); :func:`missing` says so where it is
 absent.
 
 Example:
@@ -49,7 +49,7 @@ def missing(kind: str) -> str | None:
     """Why model ``kind`` cannot be built here (a missing package), or None."""
     if kind == "gpt2" and importlib.util.find_spec("keras_hub") is None:
         return ("the gpt2 model needs KerasHub, which is not installed: "
-                "pip install 'keras-mp[bench]' (or keras-hub)")
+                "pip install 'keras-mp[hub]' (or keras-hub)")
     return None
 
 
