@@ -9,7 +9,8 @@ Keras's own saving, export, quantization or cloning. For each execution mode
 fits a model with plain ``compile``/``fit`` and takes it through predict,
 ``.keras`` save and load in a fresh process, ``model.export`` and
 ``keras_mp.deploy.export.export`` served by a fresh process (TensorFlow alone),
-LiteRT, ``keras-mp export``, ``tf.train.Checkpoint``, ``clone_model``,
+LiteRT, ONNX (``format="onnx"``) run by onnxruntime in the fresh process,
+``keras-mp export``, ``tf.train.Checkpoint``, ``clone_model``,
 ``keras_mp.quantize`` and ``model.quantize("int8")``, ``BackupAndRestore``
 resume, and fit again after loading.
 
@@ -78,11 +79,11 @@ def _results(folder: str, phase: str) -> dict:
 # Every step each phase must have run (a step skipped after an earlier
 # failure fails the test too).
 _TRAIN = ("fit", "predict", "save_keras", "model_export", "mp_export_saved_model",
-          "mp_export_litert", "float32_copy", "tf_checkpoint", "clone_model", "mp_quantize",
-          "backup_and_restore", "model_quantize")
+          "mp_export_litert", "float32_copy", "mp_export_onnx", "tf_checkpoint", "clone_model",
+          "mp_quantize", "backup_and_restore", "model_quantize")
 _CHECK = ("load_keras", "load_keras_predict", "serve_sm_keras", "serve_sm_mp",
           "serve_sm_clone", "serve_sm_mp_quantize", "serve_sm_model_quantize",
-          "load_mp_quantize", "load_model_quantize", "serve_litert", "cli_export",
+          "load_mp_quantize", "load_model_quantize", "serve_litert", "serve_onnx", "cli_export",
           "fit_again_save_export")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+from keras.src.utils.tracking import DotNotTrackScope  # no public name
 
 from keras_mp.adaptive import controller
 
@@ -82,6 +83,11 @@ def attached(model: keras.Model, attr: str, cls, paths: tuple[str, ...], make):
     # attributes, so .keras/.weights.h5 files still carry its variables;
     # TensorFlow's own dependency (what Keras's tracking would also have
     # added) makes tf.train.Checkpoint(model=...) carry them too.
+    # Keras's tracking off while TensorFlow records it: a subclassed model
+    # (and a KerasHub task) keeps TensorFlow's dependency names in a Keras
+    # TrackedDict, which would make the object one of model.layers, or
+    # raise "You cannot add new elements of state ... already built".
     object.__setattr__(model, attr, obj)
-    model._track_trackable(obj, name=attr, overwrite=True)
+    with DotNotTrackScope():
+        model._track_trackable(obj, name=attr, overwrite=True)
     return obj, True

@@ -5,9 +5,11 @@ keras-mp models and writes a SavedModel whose outputs have the dtype of the
 last layer's computation (``bfloat16`` for an adaptive_bfloat16 model).
 :func:`export` wraps it with what a deployment usually wants:
 
-* ``format="tf_saved_model"``: a ``serve`` endpoint taking float32 inputs and
-  returning **float32** outputs (``output_dtype="compute"`` keeps the
-  model's own output dtype). Works for adaptive, fused and Keras-quantized
+* ``format="tf_saved_model"``: a ``serve`` endpoint taking float32 inputs
+  (integer and boolean inputs, such as token ids and padding masks, keep
+  their dtype; a model whose inputs are a dict, such as a KerasHub task,
+  takes that dict, as Keras's own export does) and returning **float32**
+  outputs (``output_dtype="compute"`` keeps the model's own output dtype). Works for adaptive, fused and Keras-quantized
   (int8, int4, float8) models; the computation inside is the model's own
   (bfloat16 matmuls, int8 kernels, ...).
 * ``format="litert"``: a ``.tflite`` file computed in float32 (TFLite's
@@ -20,8 +22,9 @@ last layer's computation (``bfloat16`` for an adaptive_bfloat16 model).
 * ``format="onnx"``: a ``.onnx`` file (tf2onnx, checked by loading and
   running it in onnxruntime) computed in ``compute_dtype="float32"``
   (default) or ``"float16"`` (TensorRT-style serving; layers the model
-  computes in float32 stay float32), float32 inputs (integer inputs keep
-  their dtype) and float32 outputs. bfloat16 layers are served in the chosen
+  computes in float32 stay float32), float32 inputs (integer and boolean
+  inputs keep their dtype; a dict input becomes one ONNX input per key, of
+  that name) and float32 outputs. bfloat16 layers are served in the chosen
   dtype (tf2onnx 1.17 writes TensorFlow's bfloat16 as ONNX float16, a file
   onnxruntime refuses); exact GELU's ``Erfc`` (no ONNX op) becomes
   ``1 - Erf``; fused layers are served as their Keras counterparts; int8
@@ -51,6 +54,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_mp._cloning import clone_with_weights
 from keras_mp.adaptive import float8
 
 __all__ = ["COMPUTE_DTYPES", "FORMATS", "WEIGHTS", "export", "float32_copy", "serving_copy"]
@@ -100,18 +104,26 @@ def _check(model: Any, path: Any, format: Any, output_dtype: Any, weights: Any,
                                  f"(format={format!r} was given).")
 
 
-def _input_signature(model: keras.Model, keep_integers: bool = False) -> list[tf.TensorSpec]:
+def _input_signature(model: keras.Model) -> list:
+    """The serving function's positional inputs: one dict of specs for a model
+    whose inputs are a dict (KerasHub's ``token_ids``, ``padding_mask``...;
+    called as Keras's own ``model.export`` calls it), else one spec per input.
+    Floating inputs are float32; integer and boolean inputs keep their dtype."""
     inputs = getattr(model, "inputs", None)
     if not inputs:
         raise ValueError("`model` must have known inputs (a functional or Sequential model, "
                          "or a subclassed one called on data).")
 
-    def dtype(t):
+    def spec(t, name=None):
         own = tf.as_dtype(t.dtype)
-        return own if keep_integers and (own.is_integer or own.is_bool) else tf.float32
+        return tf.TensorSpec(shape=tuple(t.shape),
+                             dtype=own if own.is_integer or own.is_bool else tf.float32,
+                             name=name or t.name.split(":")[0])
 
-    return [tf.TensorSpec(shape=tuple(t.shape), dtype=dtype(t), name=t.name.split(":")[0])
-            for t in inputs]
+    struct = getattr(model, "_inputs_struct", None)
+    if isinstance(struct, dict):
+        return [{key: spec(t, key) for key, t in struct.items()}]
+    return [spec(t) for t in inputs]
 
 
 def _to_float32(outputs):
@@ -211,35 +223,12 @@ def serving_copy(model: keras.Model, compute_dtype: str = "float32", *,
         return unfused.get(type(layer), type(layer)).from_config(config)
 
     try:
-        copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+        copy, _ = clone_with_weights(model, clone)
     except ValueError as e:
         raise TypeError(f"`model` must be a functional or Sequential model: {e}") from e
-    _copy_weights(model, copy)
+    except RuntimeError as e:
+        raise RuntimeError(f"serving_copy(): {e}") from e
     return copy
-
-
-def _copy_weights(source: keras.Model, copy: keras.Model) -> None:
-    """Each copy variable takes the source's of the same layer and name
-    (its path below the layer's): a float8 layer's scale variables have no
-    place in the copy, and a model loaded from a ``.keras`` file names its
-    variables without the model's prefix (``dense/kernel``) where its clone
-    has it (``sequential/dense/kernel``)."""
-    def below(layer, variable):
-        prefix = (layer.path or layer.name) + "/"
-        return variable.path[len(prefix):] if variable.path.startswith(prefix) else None
-
-    missing = []
-    for a, b in zip(source.layers, copy.layers):
-        values = {below(a, w): w for w in a.weights}
-        for w in b.weights:
-            value = values.get(below(b, w))
-            if value is None or tuple(value.shape) != tuple(w.shape):
-                missing.append(w.path)
-            else:
-                w.assign(np.asarray(value).astype(w.dtype))
-    if missing or len(source.layers) != len(copy.layers):
-        raise RuntimeError("serving_copy(): the copy's weights do not match the model's "
-                           f"({', '.join(missing[:5])}); please report this model.")
 
 
 def float32_copy(model: keras.Model) -> keras.Model:
@@ -283,13 +272,16 @@ def _erfc_as_one_minus_erf(ctx, node, name, args) -> None:
     ctx.replace_inputs(node, [one.output[0], erf.output[0]])
 
 
-def _serving_function(model: keras.Model, output_dtype: str):
+def _serving_function(model: keras.Model, output_dtype: str, keys: list[str] | None = None):
     """The traced serving function: float32 outputs unless asked, named
-    ``output_0``, ``output_1``... in the model's order (a dict output keeps its keys)."""
+    ``output_0``, ``output_1``... in the model's order (a dict output keeps its keys).
+    With ``keys``, its positional inputs are the model's dict input, in that order."""
 
     @tf.function
     def serve(*args):
-        outputs = model(list(args) if len(args) > 1 else args[0], training=False)
+        inputs = dict(zip(keys, args)) if keys is not None else \
+            list(args) if len(args) > 1 else args[0]
+        outputs = model(inputs, training=False)
         if output_dtype == "float32":
             outputs = _to_float32(outputs)
         if isinstance(outputs, dict):
@@ -301,14 +293,42 @@ def _serving_function(model: keras.Model, output_dtype: str):
     return serve
 
 
+class _Frozen:
+    """A ``tf.function`` as tf2onnx's ``from_function`` takes it, whose
+    concrete function holds the model's variables and the tensors it
+    captured (Keras's ``Normalization`` keeps its mean and variance as
+    tensors made when it was built) as constants: tf2onnx 1.17 lists every
+    captured tensor that is not a variable among the ONNX model's inputs
+    (an input ``.../normalization/Sub/y:0`` that no caller feeds)."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def get_concrete_function(self, *signature):
+        from tensorflow.python.framework.convert_to_constants import (  # no public name
+            convert_variables_to_constants_v2)
+
+        traced = self.function.get_concrete_function(*signature)
+        frozen = convert_variables_to_constants_v2(traced)
+        # The input names and output keys tf2onnx names the ONNX model's by
+        # (the conversion keeps neither).
+        frozen.graph.structured_input_signature = traced.structured_input_signature
+        frozen.graph.structured_outputs = tf.nest.pack_sequence_as(
+            traced.structured_outputs, frozen.outputs)
+        return frozen
+
+
 def _export_onnx(model: keras.Model, path: str, compute_dtype: str, output_dtype: str,
                  opset: int | None) -> None:
     import logging
 
     modules = _onnx_modules()
     copy = serving_copy(model, compute_dtype, unfuse=True)
-    signature = _input_signature(copy, keep_integers=True)
-    serve = _serving_function(copy, output_dtype)
+    signature = _input_signature(copy)
+    keys = None
+    if len(signature) == 1 and isinstance(signature[0], dict):   # ONNX inputs are flat
+        keys, signature = list(signature[0]), list(signature[0].values())
+    serve = _Frozen(_serving_function(copy, output_dtype, keys))
     logger = logging.getLogger("tf2onnx")
     level = logger.level
     logger.setLevel(logging.ERROR)  # its INFO/WARNING chatter; errors still show

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_mp._cloning import clone_with_weights
 from keras_mp.device import xla
 from keras_mp.fused.layers import FUSED_LAYERS, MultiHeadAttention
 
@@ -98,9 +99,13 @@ def fuse(model: keras.Model, *, inplace: bool = False) -> keras.Model:
         _swap_in_place(model)
         model.train_function = model.test_function = model.predict_function = None
         return model
-    fused = keras.models.clone_model(model, clone_function=_swap, recursive=True)
-    _copy_weights(model, fused)
-    _share_policies(model, fused)
+    try:
+        fused, pairs = clone_with_weights(model, _swap)
+    except RuntimeError as e:
+        raise RuntimeError(f"fuse(): {e}") from e
+    _share_policies([(model, fused)] + [
+        (a, b) for source, copy in pairs
+        for a, b in zip(source._flatten_layers(), copy._flatten_layers())])
     _swap_in_place(fused)  # layers inside layers, which cloning rebuilt from their config
     return fused
 
@@ -132,31 +137,15 @@ def _is_graph_model(model: keras.Model) -> bool:
         hasattr(model, "_operations") and hasattr(model, "_nodes_by_depth"))
 
 
-def _copy_weights(source: keras.Model, target: keras.Model) -> None:
-    src, dst = source.weights, target.weights
-    # The fused layers create the same weights in the same order as the
-    # Keras ones, so the lists pair up; the check guards that assumption.
-    if len(src) != len(dst) or any(a.shape != b.shape for a, b in zip(src, dst)):
-        raise RuntimeError(
-            "fuse(): the fused copy's weights do not match the model's "
-            f"({len(src)} vs {len(dst)} variables); please report this model.")
-    for a, b in zip(src, dst):
-        b.assign(a)
-
-
-def _share_policies(source: keras.Model, target: keras.Model) -> None:
+def _share_policies(pairs) -> None:
     """Cloned layers each deserialized their own copy of a dtype policy
     (one ``AdaptivePolicy`` shared by the original's layers becomes one per
     layer): the copy's layers share one policy object wherever the
-    original's did, so that a change reaches every layer that had it."""
-    src = list(source._flatten_layers(include_self=True))
-    dst = list(target._flatten_layers(include_self=True))
-    if len(src) != len(dst):
-        raise RuntimeError(
-            "fuse(): the fused copy's layers do not match the model's "
-            f"({len(src)} vs {len(dst)} layers); please report this model.")
+    original's did, so that a change reaches every layer that had it.
+    ``pairs``: (original layer, its copy), sublayers of a copied composite
+    layer (a KerasHub ``TransformerDecoder``'s ``Dense`` layers) included."""
     shared: dict[int, object] = {}
-    for a, b in zip(src, dst):
+    for a, b in pairs:
         if type(a._dtype_policy) is not type(b._dtype_policy):
             continue  # a container built under another global policy than its layers
         policy = shared.setdefault(id(a._dtype_policy), b._dtype_policy)

@@ -412,3 +412,33 @@ def test_tf_checkpoint_carries_precisions_and_state_is_not_a_layer(tmp_path):
     assert fresh.layers[0].compute_dtype == "float32"
     assert [r["state"] for r in precision_report(fresh).rows] == states
     assert cb2.events == []
+
+
+class Net(keras.Model):
+    """A subclassed model: Keras keeps TensorFlow's dependency names of such
+    a model (and of a KerasHub task) in a tracked dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_a_subclassed_model_trains_and_the_state_is_not_one_of_its_layers(tmp_path):
+    policies.set_global_policy("adaptive_bfloat16")
+    net = Net()
+    net(np.ones((1, 4), "float32"))
+    policies.set_global_policy("float32")
+    names, n_weights = [layer.name for layer in net.layers], len(net.weights)
+    net.compile(optimizer="adam", loss="mse")
+    # Raised "You cannot add new elements of state ... already built" when
+    # the callback attached its state; on a KerasHub task, the state became
+    # two of its layers.
+    history = net.fit(*_xy(16), batch_size=8, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert ([layer.name for layer in net.layers], len(net.weights)) == (names, n_weights)
+    saved = tf.train.Checkpoint(model=net).write(str(tmp_path / "ckpt"))
+    assert any("_keras_mp_precision_state" in name for name, _ in tf.train.list_variables(saved))

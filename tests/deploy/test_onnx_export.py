@@ -288,3 +288,57 @@ class _Subclassed(keras.Model):
     def build(self, input_shape):
         self.dense.build(input_shape)
         self.built = True
+
+
+def _tied_lm(policy):
+    """Shaped like a KerasHub GPT2CausalLM (tests/fused/test_fuse.py)."""
+    from tests.fused.test_fuse import _tied
+
+    return _tied(policy)
+
+
+def test_a_dict_input_model_with_a_shared_layer_exports_to_onnx_and_saved_model(tmp_path):
+    import onnxruntime as ort
+
+    from tests.fused.test_fuse import _tokens
+
+    model = _tied_lm("adaptive_bfloat16")
+    x = _tokens()
+    want = np.asarray(serving_copy(model)(x))   # float32 computation, the same weights
+    np.testing.assert_allclose(want, np.asarray(model(x), "float32"), rtol=5e-2, atol=5e-2)
+    export(model, tmp_path / "lm.onnx", "onnx")
+    session = ort.InferenceSession(str(tmp_path / "lm.onnx"))
+    # One ONNX input per key of the model's dict input, integer as declared.
+    assert [(i.name, i.type) for i in session.get_inputs()] == [
+        ("token_ids", "tensor(int32)"), ("padding_mask", "tensor(int32)")]
+    np.testing.assert_allclose(session.run(None, x)[0], want, rtol=1e-5, atol=1e-5)
+    # The SavedModel takes the dict, integers kept, as Keras's own export does.
+    export(model, tmp_path / "lm")
+    served = tf.saved_model.load(str(tmp_path / "lm"))   # held: it owns the variables
+    np.testing.assert_allclose(served.serve(x).numpy(), np.asarray(model(x), "float32"),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_an_adapted_normalization_is_served_with_its_own_mean_and_variance(tmp_path):
+    import onnxruntime as ort
+
+    keras_mp.set_global_policy("adaptive_bfloat16")
+    try:
+        inputs = keras.Input((6,))
+        norm = keras.layers.Normalization()   # as EfficientNet and MobileNetV3 hold one
+        model = keras.Model(inputs, keras.layers.Dense(3)(norm(inputs)))
+    finally:
+        keras_mp.set_global_policy("float32")
+    norm.adapt(_RNG.normal(50.0, 20.0, size=(64, 6)).astype("float32"))
+    x = _RNG.normal(50.0, 20.0, size=(8, 6)).astype("float32")
+    # The copy computed with the mean and variance of a fresh layer (0 and 1)
+    # before: what it made of them when built, not the copied variables.
+    copy = serving_copy(model)
+    np.testing.assert_allclose(np.asarray(copy(x)), np.asarray(model(x), "float32"),
+                               rtol=3e-2, atol=3e-2)
+    # tf2onnx made the mean a model input ('.../normalization/Sub/y:0') before.
+    export(model, tmp_path / "norm.onnx", "onnx")
+    session = ort.InferenceSession(str(tmp_path / "norm.onnx"))
+    assert len(session.get_inputs()) == 1
+    np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x})[0],
+                               np.asarray(copy(x)), rtol=1e-5, atol=1e-5)

@@ -129,3 +129,43 @@ def test_fused_layers_share_one_policy_where_the_original_did():
     assert len(original) == 1 and len(copies) == 1  # one policy, as in the original
     assert copies != original  # the copy's own: a switch in one does not reach the other
     assert isinstance(fused.layers[0]._dtype_policy, keras_mp.AdaptivePolicy)
+
+
+def _tied(policy: str) -> keras.Model:
+    """Shaped like a KerasHub GPT2CausalLM: dict inputs, a nested functional
+    backbone whose token embedding the outer graph reuses (tied output
+    projection), and a Keras op (slicing) in the graph."""
+    import keras_mp
+
+    keras_mp.set_global_policy(policy)
+    try:
+        ids = keras.Input((5,), dtype="int32", name="token_ids")
+        mask = keras.Input((5,), dtype="int32", name="padding_mask")
+        embed = keras.layers.ReversibleEmbedding(20, 8, name="token_embedding")
+        h = embed(ids)
+        h = h * keras.ops.expand_dims(keras.ops.cast(mask, h.dtype), -1)
+        h = keras.layers.LayerNormalization()(h + h[:, :1, :])
+        h = keras.layers.Dense(8, activation="gelu")(h)
+        backbone = keras.Model({"token_ids": ids, "padding_mask": mask}, h, name="backbone")
+        ids2 = keras.Input((5,), dtype="int32", name="token_ids")
+        mask2 = keras.Input((5,), dtype="int32", name="padding_mask")
+        inputs = {"token_ids": ids2, "padding_mask": mask2}
+        return keras.Model(inputs, embed(backbone(inputs), reverse=True))
+    finally:
+        keras_mp.set_global_policy("float32")
+
+
+def _tokens(seed: int = 0) -> dict:
+    ids = np.random.default_rng(seed).integers(0, 20, size=(3, 5)).astype("int32")
+    return {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+
+
+def test_fuse_keeps_a_layer_shared_by_a_nested_model_and_the_outer_graph():
+    model = _tied("adaptive_bfloat16")
+    fused = fuse(model)
+    # One token embedding, as in the original (the weights were paired by
+    # position before: the clone lists the nested model's layers elsewhere).
+    assert len(fused.weights) == len(model.weights)
+    np.testing.assert_allclose(fused(_tokens()), model(_tokens()), rtol=5e-2, atol=5e-2)
+    assert fused.get_layer("backbone").get_layer("token_embedding") is \
+        fused.get_layer("token_embedding")

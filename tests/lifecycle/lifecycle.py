@@ -9,7 +9,7 @@ XLA:CPU executable, and a mode's state must not leak into another's):
     3-layer Dense model with plain ``compile``/``fit`` (keras-mp adds its
     callback; enough train-function calls for ``auto`` to decide), then
     predict, ``.keras`` save, ``model.export``, ``keras_mp.deploy.export.export``
-    (SavedModel and LiteRT), ``tf.train.Checkpoint`` write/read,
+    (SavedModel, LiteRT and ONNX), ``tf.train.Checkpoint`` write/read,
     ``keras.models.clone_model`` (trained and exported),
     ``keras_mp.quantize`` and ``model.quantize("int8")`` (exported and
     saved; for float16, Keras's refusal unchanged and ``keras_mp.quantize``
@@ -17,7 +17,9 @@ XLA:CPU executable, and a mode's state must not leak into another's):
 ``python lifecycle.py check DIR``
     a fresh process, for each ``DIR/POLICY``: loads the ``.keras`` files
     (same predictions), serves every SavedModel with TensorFlow alone (same
-    outputs; the model's variables and nothing else), runs the LiteRT file,
+    outputs; the model's variables and nothing else), runs the LiteRT file
+    and the ONNX file (onnxruntime: what the float32 copy computes, and the
+    model's predictions within its dtype's rounding, :data:`ONNX_TOL`),
     runs ``keras-mp export`` (both formats) on the ``.keras`` file, fits the
     loaded model again, then saves, exports and serves it again.
 
@@ -112,6 +114,11 @@ TOL = 1e-6   # the same computation, elsewhere
 #: A quantized model against Keras's int8 quantization of the same weights
 #: in the same compute dtype (largest |a - b| over the largest |output|).
 QUANTIZE_TOL = 1e-5
+#: The ONNX file (float32) against the model's predictions (largest |a - b|
+#: over the largest |output|): the narrow dtype's rounding. Not for float8,
+#: whose rounding reached 23 % of the largest output: its ONNX file is held
+#: to the float32 copy's outputs only.
+ONNX_TOL = {"adaptive_bfloat16": 5e-2, "adaptive_float16": 1e-2}
 
 
 def _close(a, b, scale_tol=TOL):
@@ -186,6 +193,7 @@ def train(policy: str, folder: str) -> None:
         model, os.path.join(folder, "model.tflite"), "litert"))
     steps("float32_copy", lambda: np.save(os.path.join(folder, "pred32.npy"), np.asarray(
         mp_export.float32_copy(model)(xs), "float32")))
+    steps("mp_export_onnx", mp_export.export, model, os.path.join(folder, "model.onnx"), "onnx")
 
     def checkpoint():
         ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
@@ -365,6 +373,19 @@ def check(folder: str) -> None:
         serve("sm_mp_again", now)
         again = keras.saving.load_model(os.path.join(folder, "again.keras"))
         _close(predict(again, xs), now)
+
+    def onnx():
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(os.path.join(folder, "model.onnx"),
+                                       providers=["CPUExecutionProvider"])
+        out = session.run(None, {session.get_inputs()[0].name: xs})[0]
+        _close(out, np.load(os.path.join(folder, "pred32.npy")), 1e-5)   # what it computes
+        if info["policy"] in ONNX_TOL:   # the model's own, in its dtypes
+            _close(out, pred, ONNX_TOL[info["policy"]])
+    if os.path.exists(os.path.join(folder, "model.onnx")) and \
+            os.path.exists(os.path.join(folder, "pred32.npy")):
+        steps("serve_onnx", onnx)
 
     if loaded is not None:
         steps("cli_export", cli_export)

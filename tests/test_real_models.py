@@ -1,0 +1,141 @@
+"""Real models under adaptive precision: keras.applications (ResNet50V2,
+EfficientNetB0, MobileNetV3Small) and KerasHub (a GPT-2 causal LM, a BERT
+classifier), built from their configs with random weights at CI sizes
+(tests/real_models/models.py), under ``"adaptive"`` and
+``"adaptive_float16"``.
+
+For each model and policy, tests/real_models/lifecycle.py fits with plain
+``compile``/``fit`` (the loss must be finite and decrease), checks that
+``keras_mp.precision_report`` lists every layer that computes, fuses the
+model (``keras_mp.fuse``: same outputs), and takes it through ``.keras``
+save and load in a fresh process (same predictions), ``model.export``
+served by a fresh process, ONNX run by onnxruntime in a fresh process,
+``keras-mp export --format litert`` run in TFLite's interpreter,
+``model.quantize("int8")`` and ``keras_mp.quantize``, a ``BackupAndRestore``
+run resumed in the fresh process, which is also the fit after loading. On
+the KerasHub models, one more fit with statistics on every call and the
+float32 probe checks that every layer's forward statistics, and every
+weighted layer's gradients and probe errors, are measured.
+
+One policy of each model (:data:`MEASURED`) trains with
+``KERAS_MP_EXECUTION`` unset (the measured execution mode a user gets) and
+goes through all of the above; the other trains as a TensorFlow graph and
+goes through fit, report, fuse and ``.keras`` save and load only (the
+lifecycle of every mode and dtype is tests/test_lifecycle_modes.py's; here
+each step costs seconds to minutes on a 2-core CI machine).
+Each model runs in two processes (train, then a fresh one to check), two
+models at a time (``KERAS_MP_TEST_JOBS``), started when the first of these
+tests runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.real_models.models import MODELS
+
+pytest.importorskip("keras_hub")   # the `hub` extra, part of `test`
+pytest.importorskip("onnxruntime")
+
+POLICIES = ("adaptive", "adaptive_float16")
+#: The policy of each model that runs with KERAS_MP_EXECUTION unset (measured),
+#: through the whole lifecycle.
+MEASURED = {"ResNet50V2": "adaptive", "EfficientNetB0": "adaptive_float16",
+            "MobileNetV3Small": "adaptive", "GPT2CausalLM": "adaptive_float16",
+            "BertTextClassifier": "adaptive"}
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SCRIPT = os.path.join(_ROOT, "tests", "real_models", "lifecycle.py")
+_TEST = "test_real_model"
+
+_TRAIN = ("fit", "report", "predict", "fuse", "save_keras", "model_export", "onnx_export",
+          "backup_and_restore", "model_quantize")
+_CHECK = ("load_keras", "load_keras_predict", "serve_saved_model", "onnx_run", "cli_litert",
+          "load_quantized", "resume_fit_quantize")
+#: The other policy's steps.
+_SHORT_TRAIN = ("fit", "report", "predict", "fuse", "save_keras")
+_SHORT_CHECK = ("load_keras", "load_keras_predict")
+
+
+def _run(phase: str, args: list[str]) -> str | None:
+    """Runs one phase; returns what it printed if it crashed (None if not)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    env.pop("KERAS_MP_EXECUTION", None)   # set per policy by the script
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, _SCRIPT, phase, *args], capture_output=True,
+                          text=True, timeout=1200, env=env, cwd=_ROOT)
+    return None if done.returncode == 0 else f"{phase} crashed:\n{done.stderr[-4000:]}"
+
+
+def _pipeline(name: str, folder: str) -> str | None:
+    specs = [f"{p}:auto:full" if MEASURED[name] == p else f"{p}:graph:short" for p in POLICIES]
+    return _run("train", [folder, name, *specs]) or _run("check", [folder])
+
+
+@pytest.fixture(scope="module")
+def lifecycle(request, tmp_path_factory):
+    """model -> the folder its processes wrote to; the models the selected
+    tests need start together, the largest first, two at a time."""
+    wanted = [m for m in MODELS if any(
+        item.name.startswith(f"{_TEST}[{m}-") for item in request.session.items)]
+    jobs = int(os.environ.get("KERAS_MP_TEST_JOBS", "2"))
+    folders = {m: str(tmp_path_factory.mktemp(f"real_{m}")) for m in wanted}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        runs = {m: pool.submit(_pipeline, m, folders[m]) for m in wanted}
+
+        def run(name: str) -> str:
+            crashed = runs[name].result()
+            assert crashed is None, crashed
+            return folders[name]
+
+        yield run
+
+
+def _json(folder: str, name: str) -> dict:
+    path = os.path.join(folder, name)
+    assert os.path.exists(path), f"no {name} in {folder}"
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_real_model(lifecycle, name, policy):
+    folder = os.path.join(lifecycle(name), policy)
+    facts = _json(folder, "facts.json")
+    full = MEASURED[name] == policy
+    train = (*_TRAIN, *(("evidence",) if MODELS[name] == "hub" else ()),
+             *(("model_quantize_refused",) if policy == "adaptive_float16" else ())) \
+        if full else _SHORT_TRAIN
+    failures = {}
+    for phase, names in (("train", train), ("check", _CHECK if full else _SHORT_CHECK)):
+        results = _json(folder, f"{phase}.json")["results"]
+        for step in names:
+            if results.get(step, "not run") != "ok":
+                failures[f"{phase}.{step}"] = results.get(step, "not run")
+    assert not failures, json.dumps(failures, indent=1)
+
+    loss = facts["loss"]
+    assert loss[-1] < loss[0], f"the loss did not decrease: {loss}"
+    report = facts["report"]   # the step checked that every computing layer has a row
+    assert report["rows"] == report["layers"] >= 30, report
+    import keras_mp
+
+    candidates = keras_mp.policies.get(policy).candidates
+    assert set(report["dtypes"]) <= set(candidates), (report, candidates)
+    if policy == "adaptive_float16":   # the callback's loss-scale wrapper
+        assert facts["optimizer"] == "LossScaleOptimizer", facts
+    if MEASURED[name] != policy:
+        assert facts["chosen"] == "graph", facts
+    if MODELS[name] == "hub" and full:
+        evidence = facts["evidence"]
+        # Every layer's forward statistics; every layer that holds weights,
+        # its gradients and the probe's errors.
+        assert evidence["forward"] == evidence["rows"], evidence
+        assert evidence["gradients"] == evidence["probe"] == evidence["with_weights"] > 10, \
+            evidence
