@@ -46,8 +46,8 @@ pytest.importorskip("onnxruntime")
 POLICIES = ("adaptive", "adaptive_float16")
 #: The policy of each model that runs with KERAS_MP_EXECUTION unset (measured),
 #: through the whole lifecycle.
-MEASURED = {"ResNet50V2": "adaptive", "EfficientNetB0": "adaptive_float16",
-            "MobileNetV3Small": "adaptive", "GPT2CausalLM": "adaptive_float16",
+MEASURED = {"ResNet50V2": "adaptive", "EfficientNetB0": "adaptive",
+            "MobileNetV3Small": "adaptive_float16", "GPT2CausalLM": "adaptive_float16",
             "BertTextClassifier": "adaptive"}
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = os.path.join(_ROOT, "tests", "real_models", "lifecycle.py")

@@ -48,7 +48,6 @@ import numpy as np  # noqa: E402
 from tests.lifecycle.lifecycle import Steps, _same_refusal  # noqa: E402
 from tests.real_models import models  # noqa: E402
 
-EPOCHS = 3
 #: Train-function calls of the interrupted run and of its resumption: with
 #: the fit's 12, 16 calls in all, below the 20th, where the adaptive
 #: callback's first statistics step is traced (a trace of its own:
@@ -137,7 +136,8 @@ def train(name: str, policy: str, mode: str, folder: str, full: bool = True) -> 
     model = models.build(name, policy)
 
     def fit():
-        history = model.fit(x, y, batch_size=models.BATCH, epochs=EPOCHS, verbose=0).history
+        history = model.fit(x, y, batch_size=models.BATCH, epochs=models.epochs(name, policy),
+                            verbose=0).history
         facts["loss"] = [float(v) for v in history["loss"]]
         facts["narrow_layers"] = history.get("precision_narrow_layers")
         facts["switches"] = history.get("precision_switches")
