@@ -154,14 +154,15 @@ def test_adaptive_precision_workers_decide_alike_and_as_single_process(tmp_path)
     _assert_same_weights(w0["w"], w1["w"], rtol=0, atol=0)
     assert all(np.isfinite(v).all() for v in w0["w"])
     # Steps 1-2 overflow (scale 2, then the floor 1): the first decision
-    # promotes the input layer, after which nothing overflows.
+    # promotes the input layer, after which nothing overflows, and the
+    # promotion names the streak's cause: the scale comes back to 2.
     layers = w0["report"]["layers"]
     assert [r["compute_dtype"] for r in layers] == ["float32", "float16", "float16"]
     assert w0["events"] == [{"step": worker.ADAPTIVE_INTERVAL, "layer": layers[0]["layer"],
                              "old": "float16", "new": "float32",
                              "reason": "input_range"}]
     assert (w0["calls"], w0["iterations"], w0["skipped_steps"], w0["loss_scale"]) == \
-        (worker.ADAPTIVE_STEPS, worker.ADAPTIVE_STEPS - 2, 2, 1.0)
+        (worker.ADAPTIVE_STEPS, worker.ADAPTIVE_STEPS - 2, 2, 2.0)
 
     # The same global batches in this process, on one device.
     model, cb, ref_w0 = worker.train_adaptive(

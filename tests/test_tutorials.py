@@ -25,6 +25,7 @@ KERNEL = "keras-mp-tests"
 EXPECTED = {
     "01_quickstart.ipynb": [r"keras_mp_digits \(8, 8, 1\) 10 classes", r"policy: adaptive,",
                             r"candidates: float16, float32",
+                            r"loss-scale changes made by the rule: \['1 -> \d+ @\d+",
                             r"float16->float32@\d+ \(fp16_subnormal\)", r"image/png"],
     "02_loss_scale_schedules.ipynb": [r"too high, halve \(2\^24\)\s+skipped\s+[1-9]",
                                       r"best schedule: DynamicLossScale\(", r"image/png"],

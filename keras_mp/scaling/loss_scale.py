@@ -28,10 +28,12 @@ scale back to where it was before the streak, by ``growth_factor`` every
 
     >>> s = keras_mp.DynamicLossScale(initial_scale=8.0, min_scale=1.0)
     >>> st = s.initial_state()
+    >>> scales = []
     >>> for finite in [False] * 4 + [True] * 3:      # 8 -> 4 -> 2 -> 1 -> 1, then back
     ...     st = s.update(st, finite=finite, step=0)
-    ...     print(float(s.scale(st)), end=" ")
-    4.0 2.0 1.0 1.0 2.0 4.0 8.0
+    ...     scales.append(float(s.scale(st)))
+    >>> scales
+    [4.0, 2.0, 1.0, 1.0, 2.0, 4.0, 8.0]
 """
 
 from __future__ import annotations
