@@ -96,6 +96,31 @@ def _slow_matmul_reason(model: keras.Model) -> str | None:
             f"{speeds['graph']:.0f} as a TensorFlow graph")
 
 
+#: Convolution layers, which XLA:CPU runs without oneDNN.
+_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
+                 keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+                 keras.layers.Conv3DTranspose, keras.layers.DepthwiseConv1D,
+                 keras.layers.DepthwiseConv2D, keras.layers.SeparableConv1D,
+                 keras.layers.SeparableConv2D)
+
+
+def _convolution_reason(model: keras.Model) -> str | None:
+    """Why the whole step under XLA is not tried on a CPU (None when it may):
+    the model convolves, and XLA:CPU runs convolutions without oneDNN. A
+    small bfloat16 CNN ran 3x slower under XLA on a Xeon with AMX-BF16, and
+    ResNet50V2 4x slower on an AMD EPYC with AVX512-BF16. On that EPYC (2
+    cores), MobileNetV3Small's first 12 steps (float16, 32x32, batch 16) took
+    52 s of wall time with the whole step in the trial, 23 s without it."""
+    if micro_benchmark.profile(steps=False).device_type != "CPU":
+        return None
+    found = next((layer for layer in model._flatten_layers(include_self=False)
+                  if isinstance(layer, _CONVOLUTIONS)), None)
+    if found is None:
+        return None
+    return (f"XLA:CPU runs convolutions ({type(found).__name__} {found.name!r}) without "
+            "oneDNN, several times slower than the TensorFlow graph")
+
+
 @dataclasses.dataclass
 class _State:
     mode: str
@@ -132,7 +157,8 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     """The modes ``mode="auto"`` measures for ``model``: ``"graph"`` first,
     then ``"xla_update"`` and ``"xla"`` where the model can use them
     (``"xla"`` only where XLA's matmuls in the model's narrowest compute
-    dtype reach :data:`XLA_MATMUL_FLOOR` of the graph's here).
+    dtype reach :data:`XLA_MATMUL_FLOOR` of the graph's here, and on a CPU
+    only for a model without convolutions).
 
     Example:
         >>> import keras
@@ -149,7 +175,7 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     if _update_only_reason(model) is None and "xla_update" not in failed:
         modes.append("xla_update")
     if _graph_only_reason(model) is None and "xla" not in failed \
-            and _slow_matmul_reason(model) is None:
+            and _slow_matmul_reason(model) is None and _convolution_reason(model) is None:
         modes.append("xla")
     return tuple(modes)
 

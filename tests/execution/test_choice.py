@@ -144,6 +144,22 @@ def test_graph_only_features_say_why(monkeypatch):
         execution.configure(eager, mode="xla_update")
 
 
+def test_a_convolutional_model_does_not_try_the_whole_step_under_xla_on_a_cpu():
+    # XLA:CPU convolves without oneDNN (several times slower): the trial
+    # would only cost its compilation. A mode asked for still runs.
+    if execution.micro_benchmark.profile(steps=False).device_type != "CPU":
+        pytest.skip("a rule for CPUs")
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3),
+                              keras.layers.Flatten(), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="mse")
+    assert execution.candidate_modes(model) == ("graph", "xla_update")
+    assert execution.configure(model, mode="xla") == "xla"
+    dense = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    dense.compile(optimizer="adam", loss="mse")
+    assert "xla" in execution.candidate_modes(dense) or \
+        execution.choice._slow_matmul_reason(dense) is not None
+
+
 def test_adaptive_precision_applies_the_mode(monkeypatch):
     x, y = _data()
     keras_mp.set_global_policy("adaptive")
