@@ -28,6 +28,24 @@ import keras_mp  # noqa: E402,F401
 MEASURING_PACKAGE = "tests.execution."
 
 
+def pytest_collection_finish(session):
+    """The subprocess pipelines that selected tests wait for start now, in
+    the background (tests/background.py): the lifecycle of every execution
+    mode first (its tests come first), then the real models."""
+    import sys
+
+    for name in ("tests.test_lifecycle_modes", "tests.test_real_models"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.start(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import background
+
+    background.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _clean_keras_state():
     """Every test starts with the float32 policy, fresh names and seeds.

@@ -16,18 +16,20 @@ resume, and fit again after loading.
 
 Each mode runs in processes of its own (one to train all three policies,
 then a fresh one to check): XLA:CPU executables are never freed in-process,
-and the measured mode must not leak between tests. The modes' processes run
-two at a time (``KERAS_MP_TEST_JOBS``), started when the first of these tests
-runs: about 2.5 minutes of wall time, 4 of CPU, on 2 cores.
+and the measured mode must not leak between tests. The modes' processes
+start right after collection and run beside the other tests
+(tests/background.py; ``KERAS_MP_TEST_JOBS`` at a time): about 5 minutes of
+CPU on 2 cores.
 """
 
-import concurrent.futures
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tests import background
 
 MODES = ("graph", "xla_update", "xla", "auto")
 POLICIES = ("adaptive_bfloat16", "adaptive_float16", "adaptive_float8")
@@ -50,23 +52,28 @@ def _pipeline(mode: str, folder: str) -> str | None:
     return _run("train", mode, folder) or _run("check", mode, folder)
 
 
+def start(items) -> None:
+    """Starts the pipelines of the modes that ``items`` (the session's
+    selected tests) need, in the background (tests/background.py)."""
+    for mode in MODES:
+        if any(item.name.startswith(f"{_TEST}[{mode}-") for item in items):
+            key = f"lifecycle/{mode}"
+            background.start(key, _pipeline, mode, background.folder(key))
+
+
 @pytest.fixture(scope="module")
-def lifecycle(request, tmp_path_factory):
-    """mode -> the folder where that mode's processes wrote their results.
-    The modes the selected tests need start together, two at a time."""
-    wanted = [m for m in MODES if any(
-        item.name.startswith(f"{_TEST}[{m}-") for item in request.session.items)]
-    jobs = int(os.environ.get("KERAS_MP_TEST_JOBS", "2"))
-    folders = {m: str(tmp_path_factory.mktemp(f"lifecycle_{m}")) for m in wanted}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        runs = {m: pool.submit(_pipeline, m, folders[m]) for m in wanted}
+def lifecycle(request):
+    """mode -> the folder where that mode's processes wrote their results
+    (started right after collection, tests/conftest.py)."""
+    start(request.session.items)
 
-        def run(mode: str) -> str:
-            crashed = runs[mode].result()
-            assert crashed is None, crashed
-            return folders[mode]
+    def run(mode: str) -> str:
+        key = f"lifecycle/{mode}"
+        crashed = background.result(key)
+        assert crashed is None, crashed
+        return background.folder(key)
 
-        yield run
+    return run
 
 
 def _results(folder: str, phase: str) -> dict:

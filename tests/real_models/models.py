@@ -30,9 +30,9 @@ VOCAB, LENGTH = 64, 16
 LEARNING_RATE = {"applications": 3e-4, "hub": 1e-3}
 EPOCHS = 3
 #: Models that need more epochs (4 steps each) under a policy. EfficientNetB0's
-#: float16 gradients overflow at every loss scale from 2**15 down to 2**0, so its
-#: first 16 steps are skipped (Keras's mixed_float16 skips the same ones;
-#: measured losses 6.31, 6.55, 6.97, 5.75, 6.33, then down to 1.71 by epoch 15).
+#: float16 gradients overflow until the loss scale has halved from 2**15 down to
+#: 2**0, one skipped step each (Keras's mixed_float16 loses the same epochs:
+#: losses 6.31, 6.55, 6.97, 5.75, then 6.8, 5.7, 3.2, 3.0, down to 1.7 by epoch 15).
 MORE_EPOCHS = {("EfficientNetB0", "adaptive_float16"): 8}
 
 
