@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["start", "result", "folder", "shutdown"]
+__all__ = ["start", "start_selected", "result", "folder", "waiter", "shutdown"]
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _runs: dict[str, concurrent.futures.Future] = {}
@@ -49,11 +49,34 @@ def start(key: str, fn: Callable[..., Any], *args: Any) -> None:
     _runs[key] = _pool.submit(fn, *args)
 
 
+def start_selected(items, test: str, prefix: str, names, pipeline: Callable[[str, str], Any]
+                   ) -> None:
+    """Starts ``pipeline(name, folder)`` as ``prefix/name`` for each of
+    ``names`` (in that order) that a selected test ``test[name-...]`` of
+    ``items`` needs."""
+    for name in names:
+        if any(item.name.startswith(f"{test}[{name}-") for item in items):
+            key = f"{prefix}/{name}"
+            start(key, pipeline, name, folder(key))
+
+
 def result(key: str) -> Any:
     """What ``key``'s pipeline returned (waits for it)."""
     if key not in _runs:
         raise KeyError(f"no background pipeline {key!r} was started")
     return _runs[key].result()
+
+
+def waiter(prefix: str) -> Callable[[str], str]:
+    """``name -> folder`` of the pipeline ``prefix/name``, once it ended
+    without crashing (a crash fails the test that waits, with its output)."""
+    def wait(name: str) -> str:
+        key = f"{prefix}/{name}"
+        crashed = result(key)
+        assert crashed is None, crashed
+        return folder(key)
+
+    return wait
 
 
 def shutdown() -> None:

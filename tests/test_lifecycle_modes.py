@@ -55,10 +55,7 @@ def _pipeline(mode: str, folder: str) -> str | None:
 def start(items) -> None:
     """Starts the pipelines of the modes that ``items`` (the session's
     selected tests) need, in the background (tests/background.py)."""
-    for mode in MODES:
-        if any(item.name.startswith(f"{_TEST}[{mode}-") for item in items):
-            key = f"lifecycle/{mode}"
-            background.start(key, _pipeline, mode, background.folder(key))
+    background.start_selected(items, _TEST, "lifecycle", MODES, _pipeline)
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +63,7 @@ def lifecycle(request):
     """mode -> the folder where that mode's processes wrote their results
     (started right after collection, tests/conftest.py)."""
     start(request.session.items)
-
-    def run(mode: str) -> str:
-        key = f"lifecycle/{mode}"
-        crashed = background.result(key)
-        assert crashed is None, crashed
-        return background.folder(key)
-
-    return run
+    return background.waiter("lifecycle")
 
 
 def _results(folder: str, phase: str) -> dict:

@@ -85,10 +85,7 @@ def start(items) -> None:
     """Starts the pipelines of the models that ``items`` (the session's
     selected tests) need, in the background (tests/background.py), the
     largest first."""
-    for name in MODELS:
-        if any(item.name.startswith(f"{_TEST}[{name}-") for item in items):
-            key = f"real/{name}"
-            background.start(key, _pipeline, name, background.folder(key))
+    background.start_selected(items, _TEST, "real", MODELS, _pipeline)
 
 
 @pytest.fixture(scope="module")
@@ -96,14 +93,7 @@ def lifecycle(request):
     """model -> the folder its processes wrote to (started right after
     collection, tests/conftest.py)."""
     start(request.session.items)
-
-    def run(name: str) -> str:
-        key = f"real/{name}"
-        crashed = background.result(key)
-        assert crashed is None, crashed
-        return background.folder(key)
-
-    return run
+    return background.waiter("real")
 
 
 def _json(folder: str, name: str) -> dict:
