@@ -27,8 +27,7 @@ scale back to where it was before the streak, by ``growth_factor`` every
 (2000) steps:
 
     >>> s = keras_mp.DynamicLossScale(initial_scale=8.0, min_scale=1.0)
-    >>> st = s.initial_state()
-    >>> scales = []
+    >>> st, scales = s.initial_state(), []
     >>> for finite in [False] * 4 + [True] * 3:      # 8 -> 4 -> 2 -> 1 -> 1, then back
     ...     st = s.update(st, finite=finite, step=0)
     ...     scales.append(float(s.scale(st)))
