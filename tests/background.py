@@ -8,7 +8,10 @@ session waited for them (7 of 28 minutes on 2 cores); started right after
 collection (``pytest_collection_finish`` in tests/conftest.py), they run
 beside the rest of the tests, whose processes leave a core idle much of the
 time (tracing and Python-side work). ``KERAS_MP_TEST_JOBS`` pipelines run at
-a time (default 2); the first ones submitted start first.
+a time (default 2); the first ones submitted start first. Their processes
+run at a lower priority (``nice`` 10): the session's own tests, one after
+another, are the critical path, and the pipelines' results are needed only
+when their tests come, near the end.
 """
 
 from __future__ import annotations
@@ -16,16 +19,29 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["start", "start_selected", "result", "folder", "waiter", "shutdown"]
+__all__ = ["NICE", "run", "start", "start_selected", "result", "folder", "waiter", "shutdown"]
+
+#: How much lower the pipelines' processes run than the session's.
+NICE = 10
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _runs: dict[str, concurrent.futures.Future] = {}
 _folders: dict[str, str] = {}
 _root: str | None = None
+
+
+def run(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(args, **kwargs)`` at :data:`NICE` (through ``nice``,
+    where there is one: a ``preexec_fn`` is not safe beside threads), output
+    captured."""
+    nice = shutil.which("nice")
+    prefix = [nice, "-n", str(NICE)] if nice else []
+    return subprocess.run([*prefix, *args], capture_output=True, text=True, **kwargs)
 
 
 def folder(key: str) -> str:

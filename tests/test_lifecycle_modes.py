@@ -24,7 +24,6 @@ CPU on 2 cores.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -43,8 +42,8 @@ def _run(phase: str, mode: str, folder: str) -> str | None:
     env = dict(os.environ, KERAS_MP_EXECUTION=mode, TF_CPP_MIN_LOG_LEVEL="2",
                KERAS_BACKEND="tensorflow")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, _SCRIPT, phase, folder], capture_output=True,
-                          text=True, timeout=900, env=env, cwd=_ROOT)
+    done = background.run([sys.executable, _SCRIPT, phase, folder], timeout=900, env=env,
+                           cwd=_ROOT)
     return None if done.returncode == 0 else f"{phase} ({mode}) crashed:\n{done.stderr[-4000:]}"
 
 

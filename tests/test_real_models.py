@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -70,8 +69,8 @@ def _run(phase: str, args: list[str]) -> str | None:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
     env.pop("KERAS_MP_EXECUTION", None)   # set per policy by the script
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, _SCRIPT, phase, *args], capture_output=True,
-                          text=True, timeout=1200, env=env, cwd=_ROOT)
+    done = background.run([sys.executable, _SCRIPT, phase, *args], timeout=1200, env=env,
+                           cwd=_ROOT)
     return None if done.returncode == 0 else f"{phase} crashed:\n{done.stderr[-4000:]}"
 
 
