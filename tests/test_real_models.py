@@ -123,10 +123,9 @@ def test_real_model(lifecycle, name, policy):
     assert loss[-1] < loss[0], f"the loss did not decrease: {loss}"
     report = facts["report"]   # the step checked that every computing layer has a row
     assert report["rows"] == report["layers"] >= 30, report
-    import keras_mp
-
-    candidates = keras_mp.policies.get(policy).candidates
-    assert set(report["dtypes"]) <= set(candidates), (report, candidates)
+    # Within the candidates the training process measured ("adaptive" is
+    # what is fast on this device, measured when first asked, there).
+    assert set(report["dtypes"]) <= set(facts["candidates"]), (report, facts["candidates"])
     if policy == "adaptive_float16":   # the callback's loss-scale wrapper
         assert facts["optimizer"] == "LossScaleOptimizer", facts
     if not full:

@@ -128,7 +128,10 @@ def train(name: str, policy: str, mode: str, folder: str, full: bool = True) -> 
         os.environ["KERAS_MP_EXECUTION"] = mode
     os.makedirs(folder, exist_ok=True)
     steps = Steps(os.path.join(folder, "train.json"))
-    facts = {"model": name, "policy": policy, "mode": mode, "full": full}
+    # The candidates as this process measured them ("adaptive": the dtypes
+    # fast on this device, measured when first asked).
+    facts = {"model": name, "policy": policy, "mode": mode, "full": full,
+             "candidates": list(keras_mp.policies.get(policy).candidates)}
     tol = _tol(policy)
     keras.utils.set_random_seed(0)
     x, y = models.data(name)
