@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
