@@ -207,10 +207,19 @@ def _fake_clocks(monkeypatch, factors):
     monkeypatch.setattr(step_trial, "_timed", timed)
 
 
+@pytest.fixture
+def xla_matmuls_not_slow(monkeypatch):
+    """These tests are about the trial of all three modes: the XLA matmul floor
+    (tested above) is measured by a micro-benchmark, which under the load of
+    the suite's background pipelines can fall below the floor and drop "xla"."""
+    monkeypatch.setattr(execution.choice, "_slow_matmul_reason", lambda model: None)
+
+
 @pytest.mark.parametrize("factors, expected", [
     ({"xla": 0.5}, "xla"), ({"xla": 2.0}, "graph"), ({"xla": 0.99, "xla_update": 0.98}, "graph"),
     ({"xla": 0.8, "xla_update": 0.6}, "xla_update")])
-def test_auto_measures_the_models_own_step(monkeypatch, caplog, factors, expected):
+def test_auto_measures_the_models_own_step(monkeypatch, caplog, factors, expected,
+                                           xla_matmuls_not_slow):
     _fake_clocks(monkeypatch, factors)
     x, y = _data(8 * 30)
     model = _model()
@@ -238,7 +247,7 @@ def test_auto_measures_the_models_own_step(monkeypatch, caplog, factors, expecte
     assert execution.chosen(other) == expected
 
 
-def test_auto_trial_falls_back_when_xla_cannot_compile(caplog):
+def test_auto_trial_falls_back_when_xla_cannot_compile(caplog, xla_matmuls_not_slow):
     x, y = _data()
     model = _model(_NumpyDouble())
     assert execution.configure(model, mode="auto") == "trial"
@@ -278,7 +287,8 @@ def test_epilogue_measurement_and_placement(monkeypatch):
         keras_mp.set_xla("elementwise", None)
 
 
-def test_no_new_xla_compilation_near_the_memory_map_limit(monkeypatch, caplog):
+def test_no_new_xla_compilation_near_the_memory_map_limit(monkeypatch, caplog,
+                                                         xla_matmuls_not_slow):
     """TensorFlow never frees an XLA:CPU executable's memory maps: past half
     of vm.max_map_count, auto keeps the graph and says why, once."""
     maps = xla.memory_maps()
