@@ -119,6 +119,15 @@ QUANTIZE_TOL = 1e-5
 #: whose rounding reached 23 % of the largest output: its ONNX file is held
 #: to the float32 copy's outputs only.
 ONNX_TOL = {"adaptive_bfloat16": 5e-2, "adaptive_float16": 1e-2}
+#: ``model.predict`` (XLA after ``mode="xla"``) against the same model as a
+#: TensorFlow graph (largest |a - b| over the largest |output|). The two
+#: round a layer's bfloat16 arithmetic differently (XLA keeps float32
+#: between fused operations): given the same inputs, each float8 layer's
+#: outputs differed by up to 0.7 % (AVX512-BF16 EPYC). The next layer
+#: quantizes its inputs to E4M3, whose steps are 12.5 % apart, so an input
+#: near a rounding boundary moves a whole step: over the 3 layers, 6 seeds
+#: gave 0.9-7 % there, and a CI run 12.5 %.
+PREDICT_TOL = {"adaptive_float8": 0.25}
 
 
 def _close(a, b, scale_tol=TOL):
@@ -178,7 +187,7 @@ def train(policy: str, folder: str) -> None:
         json.dump(info, f)
     def predicts():
         out = np.asarray(model.predict(xs, verbose=0), "float32")   # Keras's own, any mode
-        _close(out, predict(model, xs), 0.1)
+        _close(out, predict(model, xs), PREDICT_TOL.get(policy, 0.1))
         return predict(model, xs)
     pred = steps("predict", predicts)
     if pred is None:
