@@ -100,7 +100,7 @@ def _adaptive_data():
 
 
 def _train_adaptive(strategy):
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     keras.utils.set_random_seed(0)
     policies.set_global_policy("adaptive_float16")
     small = keras.initializers.RandomUniform(-0.05, 0.05, seed=1)
@@ -137,7 +137,7 @@ def test_adaptive_policy_decides_as_on_one_device(mirrored):
 
 
 def _train_layer_scales(strategy):
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     keras.utils.set_random_seed(0)
     policies.set_global_policy(keras_mp.AdaptivePolicy(("float16", "float32"),
                                                        layer_loss_scales=True))

@@ -139,7 +139,7 @@ def test_tf_checkpoint_carries_loss_scale_and_precision_decisions(tmp_path):
     path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
 
     # A new process would build the model from code: float16 everywhere.
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     fresh = _adaptive_model()
     assert fresh.layers[0].compute_dtype == "float16"
     cb2 = AdaptivePrecision(interval=1000)

@@ -168,7 +168,7 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
             exec(code, namespace)  # noqa: S102 - the documentation's own code
     finally:
         keras.config.set_dtype_policy("float32")
-        keras.utils.clear_session()
+        keras.utils.clear_session(free_memory=False)
         os.environ.pop("TF_CONFIG", None)
 
 
@@ -194,5 +194,5 @@ def test_docstring_examples_run(name, tmp_path, monkeypatch):
             runner.run(test, out=out.write)
     finally:
         keras.config.set_dtype_policy("float32")
-        keras.utils.clear_session()
+        keras.utils.clear_session(free_memory=False)
     assert runner.failures == 0, out.getvalue()

@@ -200,7 +200,7 @@ class _Recorder(keras.callbacks.Callback):
 def _train(variant: str, data, epochs: int, batch_size: int, verbose: int,
            seed: int) -> DemoRun:
     (x, y), (xt, yt) = data
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     keras.utils.set_random_seed(seed)
     run = DemoRun(variant)
     if variant == "adaptive_float16":
@@ -233,7 +233,7 @@ def _train(variant: str, data, epochs: int, batch_size: int, verbose: int,
 
 
 def _adaptive_here() -> dict[str, str]:
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     with policies.policy_scope("adaptive"):
         model = _model()
     return {layer.name: layer.compute_dtype for layer in model.layers if layer.weights}
@@ -329,7 +329,7 @@ def run_demo(epochs: int = 4, batch_size: int = 32, out_dir: str | None = ".",
         hardware=dict(prof.hardware), fast=tuple(prof.fast),
         adaptive_candidates=tuple(device.default_candidates()),
         adaptive_dtypes=_adaptive_here())
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     if out_dir is not None:
         result.plot = _plot(os.path.join(out_dir, "keras_mp_demo.png"), result)
     result.report = format_result(result)

@@ -37,7 +37,7 @@ def _raw_feature_model():
 
 
 def _train_raw(policy, cbs=(), epochs=6):
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     keras.utils.set_random_seed(0)
     policies.set_global_policy(policy)
     x, y = _raw_features(2048, 0)
@@ -104,7 +104,7 @@ def test_float16_failure_recovered_with_most_layers_in_float16():
 def _tiny_gradients(loss_scale_arg, probe_every="auto", policy="adaptive_float16", **kw):
     """float16 gradients of a small model at a loss scale of 1: 70-99 % of
     their elements are float16 subnormals (amax 3e-5 and 5e-4)."""
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     keras.utils.set_random_seed(0)
     policies.set_global_policy(policy)
     small = keras.initializers.RandomUniform(-0.05, 0.05, seed=1)
@@ -355,7 +355,7 @@ def test_backup_and_restore_resumes_with_the_same_precisions(tmp_path):
     assert model.layers[0].compute_dtype == "float32"
 
     # A new process would rebuild the model from code: fresh policy, float16.
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     fresh = _small("adaptive_float16")
     assert fresh.layers[0].compute_dtype == "float16"
     cb2 = AdaptivePrecision(interval=1000)  # no decision during the resumed epochs
@@ -401,7 +401,7 @@ def test_tf_checkpoint_carries_precisions_and_state_is_not_a_layer(tmp_path):
     states = [r["state"] for r in precision_report(model).rows]
     path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
 
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     fresh = _small("adaptive_float16")
     cb2 = AdaptivePrecision(interval=1000)
     cb2.set_model(fresh)  # attaches the state (as fit would) so the restore has a target

@@ -23,7 +23,7 @@ from keras_mp.adaptive.report import precision_report
 
 def _fit(build, data, policy, cbs=(), *, epochs, batch_size, lr, loss, metrics=("accuracy",),
          seed=0):
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     keras.utils.set_random_seed(seed)
     policies.set_global_policy(policy)
     (x, y), (xv, yv) = data
@@ -344,7 +344,7 @@ def test_healthy_model_keeps_every_layer_narrow(kind, policy):
 # -- mechanics -----------------------------------------------------------------
 
 def _small(policy):
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     policies.set_global_policy(policy)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.ReLU(),
                               keras.layers.Dense(1)])
