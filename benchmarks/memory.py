@@ -6,7 +6,7 @@ executable is never freed, so variants trained one after another in one
 process would each start from what the earlier ones left, and a process's
 peak only ever rises. Each variant therefore runs alone in a new Python
 process (:func:`measure`), the same way the timing runs it: the same model,
-data, two 8-row steps, then ``epochs`` epochs (the warm-up epoch, which for
+data, the same two single steps (:func:`benchmarks.variants.first_steps`), then ``epochs`` epochs (the warm-up epoch, which for
 keras_mp holds its measured choice of execution mode and its first
 statistics step, and in the full bench one timed round's). The figures, read
 at the end:
@@ -64,8 +64,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     small = models.get(spec["kind"], spec["size"], 1, rows=8)[1]
     baseline = memory.process_rss()
     train, _ = variants.make(spec["variant"], build, data, spec["steps"])
-    train(1, small)
-    train(1, small)
+    first = variants.first_steps(spec["variant"], data, small)
+    if first is not None:
+        train(1, first)
+        train(1, first)
     for _ in range(spec["epochs"]):
         train()
     del tf

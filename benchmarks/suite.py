@@ -22,7 +22,9 @@ Every variant runs the same number of training steps per round (one
 ``model.fit`` epoch over a ``tf.data`` dataset, 20 steps by default: the
 ``AdaptivePrecision`` default gathers statistics on one call in 20, so every
 round of keras_mp holds exactly one statistics step, at its steady-state
-rate); after a warm-up (two 8-row steps, then one epoch: tracing, XLA
+rate); after a warm-up (two single steps, on 8 rows, or on full batches for
+the ``*_xla`` variants, which XLA compiles per shape, none for ``keras_mp``,
+:func:`benchmarks.variants.first_steps`; then one epoch: tracing, XLA
 compilation, keras_mp's measured choice of graph or XLA and the first
 statistics step, all before timing), the rounds are interleaved across
 variants and timed by process CPU time and by wall time. Each figure is the
@@ -42,9 +44,9 @@ peak resident memory, measured after the timing in a fresh process per
 variant that repeats the variant's warm-up and one round (``--quick``: the
 warm-up alone, which holds keras_mp's execution trial and first statistics
 step; :mod:`benchmarks.memory` says why a fresh process), two at a time; on a
-GPU also the device allocator's peak. ``--quick`` measures ``keras_float32``,
-the Keras one-liner of keras_mp's compute dtype and ``keras_mp``; the full
-bench every timed variant; ``--no-memory`` none.
+GPU also the device allocator's peak. ``--quick`` measures ``keras_mp`` and
+the Keras one-liner of its compute dtype (``keras_float32`` where that one
+was not timed); the full bench every timed variant; ``--no-memory`` none.
 
 Run: ``python -m benchmarks.suite [--quick] [--models mlp,cnn] [--out DIR]``
 """
@@ -62,7 +64,7 @@ from . import memory as memory_lib
 from .common import cpu_name, interleaved_clocks, quiet_tensorflow
 from .models import MODELS, SIZES, missing
 from .models import get as get_model
-from .variants import KERAS_VARIANTS, VARIANTS, add_probe_cost, dtype_counts
+from .variants import KERAS_VARIANTS, VARIANTS, add_probe_cost, dtype_counts, first_steps
 from .variants import make as make_variant
 
 __all__ = ["MODELS", "QUICK_MODELS", "VARIANTS", "KERAS_VARIANTS", "run", "main"]
@@ -76,8 +78,9 @@ _SCHEDULE = {"full": (20, 7), "quick": (20, 5)}
 #: the whole quick bench fits in 3 minutes on 2 cores).
 _QUICK = {"mlp": dict(batch=128, features=512, width=1024, depth=3),
           "transformer": dict(batch=16, length=64, dim=256, blocks=2)}
-#: A variant whose one step on 8 rows (after tracing) is this many times
-#: slower than keras_float32's is reported from that step and not timed
+#: A variant whose single step (after tracing; on 8 rows, or a full batch for
+#: the *_xla variants) is this many times slower than keras_float32's on the
+#: same rows is reported from that step and not timed
 #: (Keras's mixed_float16 on an AMX Xeon: 61-439x slower than float32).
 TOO_SLOW = 8.0
 
@@ -145,7 +148,7 @@ def _table(entries: dict[str, dict[str, Any]]) -> str:
                 f"{probe['every']}, i.e. +{probe['per_step_cpu_s'] * 1e3:.2f} ms CPU per step.")
     mem = (entries.get("keras_mp") or {}).get("memory_vs_keras")
     if mem:
-        base_mib = next(iter(entries.values()))["memory"] or {}
+        base_mib = next(e["memory"] for e in entries.values() if e.get("memory"))
         note += (f" Peak memory (each variant alone in a fresh process, the TensorFlow "
                  f"runtime's ~{base_mib.get('baseline_rss_mib', 0):.0f} MiB included): "
                  f"keras_mp {mem['ratio']:.2f}x `{mem['variant']}`.")
@@ -283,23 +286,34 @@ def _warm_up(kind, variants, build, data, small, steps, log):
     state)}, {variant: why it was not timed})``."""
     made: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {}
     skipped: dict[str, str] = {}
-    pre: dict[str, float] = {}
+    base: dict[str, float] = {}   # keras_float32's single step, per batch kind
+
+    def step_time(train, on) -> float:
+        w0 = time.perf_counter()
+        train(1, on)
+        return time.perf_counter() - w0
+
     for v in variants:
         train, state = make_variant(v, build, data, steps)
+        first = first_steps(v, data, small)
         try:
-            # Tracing and XLA compilation on a few rows (the batch
-            # dimension is unknown to the trace, so it is reused), then
-            # one timed step there, to leave out what is far too slow to
-            # time (seconds per full step).
-            train(1, small)
-            w0 = time.perf_counter()
-            train(1, small)
-            pre[v] = time.perf_counter() - w0
-            if v in ("keras_float32", "keras_mp") or pre[v] <= TOO_SLOW * pre["keras_float32"]:
-                # Warm-up, one epoch: for keras_mp, its measured choice
-                # of execution mode (the first calls) and the first
-                # statistics step (call 20) are traced here.
+            # Tracing and XLA compilation, then one timed step, to leave out
+            # what is far too slow to time (seconds per full step).
+            slow = None
+            if first is not None:
+                train(1, first)
+                took, rows = step_time(train, first), "8 rows" if first is small else "a batch"
+                ref = base.setdefault(rows, took) if v == "keras_float32" else base[rows]
+                if took > TOO_SLOW * ref:
+                    slow = (f"too slow to time: {took * 1e3:.0f} ms for one step of {rows}, "
+                            f"{took / ref:.0f}x keras_float32 ({ref * 1e3:.1f} ms)")
+            if slow is None:
+                # Warm-up, one epoch: for keras_mp, its measured choice of
+                # execution mode (the first calls) and the first statistics
+                # step (call 20) are traced here.
                 train()
+            if v == "keras_float32":   # the reference for the *_xla variants' batch step
+                base["a batch"] = step_time(train, data)
         except Exception as e:  # noqa: BLE001 - e.g. XLA cannot compile this variant
             if v == "keras_float32":
                 raise
@@ -307,12 +321,9 @@ def _warm_up(kind, variants, build, data, small, steps, log):
             skipped[v] = f"{type(e).__name__}: {reason}"
             log(f"[{kind}] {v} skipped: {skipped[v]}")
             continue
-        # (keras_mp's second 8-row step is its XLA trial's compilation.)
-        if v not in ("keras_float32", "keras_mp") and pre[v] > TOO_SLOW * pre["keras_float32"]:
-            skipped[v] = (f"too slow to time: {pre[v] * 1e3:.0f} ms for one step of 8 rows, "
-                          f"{pre[v] / pre['keras_float32']:.0f}x keras_float32 "
-                          f"({pre['keras_float32'] * 1e3:.1f} ms)")
-            log(f"[{kind}] {v} skipped: {skipped[v]}")
+        if slow is not None:
+            skipped[v] = slow
+            log(f"[{kind}] {v} skipped: {slow}")
             continue
         made[v] = (train, state)
     return made, skipped
@@ -330,9 +341,10 @@ def _add_memory(kind, size, steps, entries, quick, log) -> None:
     """Each variant's peak memory, a fresh process each (benchmarks.memory)."""
     names = list(entries)
     if quick and "keras_mp" in entries:
-        names = [v for v in dict.fromkeys(
-            ("keras_float32", _same_dtype_keras(entries["keras_mp"]), "keras_mp"))
-            if v in entries]
+        # keras_mp and the one-liner it is held to, one pair of processes
+        # side by side (keras_float32 where that one-liner was not timed).
+        ref = _same_dtype_keras(entries["keras_mp"])
+        names = [ref if ref in entries else "keras_float32", "keras_mp"]
     t0 = time.perf_counter()
     # The warm-up epoch holds keras_mp's trial and first statistics step; the
     # full bench adds one round's epoch, --quick does not.

@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["KERAS_VARIANTS", "VARIANTS", "make", "dtype_counts", "add_probe_cost"]
+__all__ = ["KERAS_VARIANTS", "VARIANTS", "make", "first_steps", "dtype_counts",
+           "add_probe_cost"]
 
 KERAS_VARIANTS: tuple[str, ...] = (
     "keras_float32", "keras_float32_xla", "keras_mixed_bfloat16", "keras_mixed_bfloat16_xla",
@@ -65,6 +66,30 @@ def make(variant: str, build: Callable[[], Any], data, steps: int):
         state["loss"] = float(hist.history["loss"][-1])
 
     return train, state
+
+
+def first_steps(variant: str, data, small):
+    """What ``variant``'s two single steps before its warm-up epoch train on
+    (the second is timed to leave out a variant far too slow to time), or
+    None for none.
+
+    A graph is traced once for any batch size (the batch dimension is
+    unknown to the trace), so 8 rows (``small``) cost the trace and little
+    else. XLA compiles each shape anew: an ``*_xla`` variant takes full
+    batches (``data``), compiled once. ``keras_mp`` takes none: its first
+    calls are its execution trial, which must see the batches it trains on;
+    the warm-up epoch holds the trial.
+
+    >>> first_steps("keras_mp", "data", "small") is None
+    True
+    >>> first_steps("keras_float32_xla", "data", "small"), first_steps("keras_float32", "data", "small")
+    ('data', 'small')
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"`variants` must be among {VARIANTS}, got {variant!r}.")
+    if variant == "keras_mp":
+        return None
+    return data if variant.endswith("_xla") else small
 
 
 def dtype_counts(model) -> dict[str, int]:
