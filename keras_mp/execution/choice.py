@@ -24,6 +24,7 @@ from keras_mp import _installed
 from keras_mp.device import xla
 from keras_mp.execution import fused_update, micro_benchmark, placement, step_trial
 from keras_mp.fused import losses as fused_losses
+from keras_mp.fused import metrics as fused_metrics
 from keras_mp.execution.placement import compute_dtypes as _compute_dtypes
 from keras_mp.execution.micro_benchmark import MARGIN
 
@@ -236,12 +237,13 @@ def _with_update(fn: Callable[..., Any]) -> Callable[..., Any]:
     return train_function
 
 
-def _with_losses(fn: Callable[..., Any], losses: list) -> Callable[..., Any]:
+def _with_losses(fn: Callable[..., Any], losses: list, metrics: list) -> Callable[..., Any]:
     """``fn``, traced (now or on a retrace) with the model's Keras
-    cross-entropy as the fused kernel (:mod:`keras_mp.fused.losses`)."""
+    cross-entropy and sparse categorical accuracy as fused kernels
+    (:mod:`keras_mp.fused.losses`, :mod:`keras_mp.fused.metrics`)."""
 
     def train_function(iterator):
-        with fused_losses.fusing(losses):
+        with fused_losses.fusing(losses), fused_metrics.fusing(metrics):
             return fn(iterator)
 
     return train_function
@@ -254,8 +256,11 @@ def _build(model: keras.Model, state: _State, mode: str) -> Callable[..., Any]:
     if mode == "xla_update":
         fused_update.install(model.optimizer)
         fn = _with_update(fn)
-    losses = fused_losses.fusable_losses(model) if xla.uses_xla("elementwise") else []
-    return _with_losses(fn, losses) if losses else fn
+    if not xla.uses_xla("elementwise"):
+        return fn
+    losses = fused_losses.fusable_losses(model)
+    metrics = fused_metrics.fusable_metrics(model)
+    return _with_losses(fn, losses, metrics) if losses or metrics else fn
 
 
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:

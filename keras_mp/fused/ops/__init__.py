@@ -21,7 +21,8 @@ Every fused op:
 One module per op family: :mod:`~keras_mp.fused.ops.activation` (bias +
 activation), :mod:`~keras_mp.fused.ops.dense`, :mod:`~keras_mp.fused.ops.attention`,
 :mod:`~keras_mp.fused.ops.normalization`, :mod:`~keras_mp.fused.ops.masked_softmax`,
-:mod:`~keras_mp.fused.ops.cross_entropy`; every op is re-exported here.
+:mod:`~keras_mp.fused.ops.cross_entropy`, :mod:`~keras_mp.fused.ops.accuracy`; every op is
+re-exported here.
 
 Example:
     >>> import numpy as np, tensorflow as tf
@@ -36,8 +37,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from keras_mp.fused.ops import (activation, attention, cross_entropy, dense, masked_softmax,
-                                normalization)
+from keras_mp.fused.ops import (accuracy, activation, attention, cross_entropy, dense,
+                                masked_softmax, normalization)
+from keras_mp.fused.ops.accuracy import sparse_top1_matches, sparse_top1_matches_reference
 from keras_mp.fused.ops.activation import ACTIVATIONS, bias_activation, bias_activation_reference
 from keras_mp.fused.ops.attention import multi_head_attention, multi_head_attention_reference
 from keras_mp.fused.ops.cross_entropy import (sparse_softmax_cross_entropy,
@@ -63,6 +65,8 @@ __all__ = [
     "softmax_reference",
     "sparse_softmax_cross_entropy",
     "sparse_softmax_cross_entropy_reference",
+    "sparse_top1_matches",
+    "sparse_top1_matches_reference",
 ]
 
 _FUSED: dict[str, tuple[Callable, ...]] = {
