@@ -85,6 +85,9 @@ def measure(specs: Sequence[dict[str, Any]], parallel: int = 2,
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise ValueError(f"`parallel` must be an int >= 1, got {parallel!r}.")
     module = f"{__package__}.memory" if __package__ else "benchmarks.memory"
+    # ``-P``: the working folder is not put first on the child's path. Run
+    # from a source checkout, its ``keras_mp/`` (which has no ``benchmarks``)
+    # would hide the installed ``keras_mp.benchmarks``.
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if module.startswith("benchmarks."):
@@ -92,8 +95,9 @@ def measure(specs: Sequence[dict[str, Any]], parallel: int = 2,
 
     def one(spec):
         try:
-            proc = subprocess.run([sys.executable, "-m", module, "--child", json.dumps(spec)],
-                                  capture_output=True, text=True, timeout=timeout, env=env)
+            proc = subprocess.run(
+                [sys.executable, "-P", "-m", module, "--child", json.dumps(spec)],
+                capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"no result within {timeout:.0f} s"}
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]

@@ -110,7 +110,7 @@ def _measure(specs: list[dict[str, Any]], parallel: int) -> list[dict[str, Any]]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
 
     def one(spec):
-        proc = subprocess.run([sys.executable, "-m", module, "--child", json.dumps(spec)],
+        proc = subprocess.run([sys.executable, "-P", "-m", module, "--child", json.dumps(spec)],
                               capture_output=True, text=True, env=env)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
         if proc.returncode != 0 or not lines:

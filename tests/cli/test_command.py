@@ -127,3 +127,21 @@ def test_unwritable_output_folder(tmp_path, capsys):
     assert cli.main(["bench", "--quick", "--models", "mlp", "--out", str(blocker / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error" in err[0]
+
+
+def test_bench_memory_processes_ignore_the_working_folder(tmp_path, monkeypatch):
+    """Run from a source checkout with keras-mp installed, a child started
+    as ``python -m keras_mp.benchmarks.memory`` found the checkout's
+    ``keras_mp/`` first (it has no ``benchmarks``) and every memory figure
+    was lost. A folder here whose ``benchmarks`` package hides the real one
+    stands for it."""
+    from benchmarks import memory
+
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    spec = dict(kind="mlp", size=dict(batch=8, features=4, width=8, depth=1),
+                variant="keras_float32", steps=5, epochs=1)
+    (figures,) = memory.measure([spec])
+    assert "error" not in figures, figures
+    assert figures["peak_rss_mib"] > figures["baseline_rss_mib"] > 0
