@@ -29,6 +29,7 @@ from keras_mp.deploy import export, quantization
 from keras_mp.execution import fused_update, step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.fused import losses as fused_losses
+from keras_mp.fused import metrics as fused_metrics
 from keras_mp.scaling import kernels, layer_scales, loss_scale, optimizer
 from keras_mp.device import memory, xla
 from keras_mp.fused.fuse import fuse as fuse_model
@@ -43,7 +44,7 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
            "device", "device.capabilities", "device.memory", "device.xla", "distribute",
            "execution",
            "execution.fused_update", "execution.step_trial", "fused", "fused.fuse", "fused.layers",
-           "fused.losses",
+           "fused.losses", "fused.metrics",
            "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.layer_scales",
            "scaling.loss_scale", "scaling.optimizer", "tuning"]
 
@@ -264,6 +265,17 @@ CASES = [
     ("fused.ops.sparse_softmax_cross_entropy_reference",
      lambda: ops.sparse_softmax_cross_entropy_reference(tf.ones([2]), x2),
      (TypeError, ValueError), "`labels`"),
+    ("fused.ops.sparse_top1_matches",
+     lambda: ops.sparse_top1_matches(tf.zeros([3], tf.int32), x2), ValueError, "`labels`"),
+    ("fused.ops.sparse_top1_matches_reference",
+     lambda: ops.sparse_top1_matches_reference(tf.ones([2]), x2), TypeError, "`labels`"),
+    ("fused.metrics.sparse_categorical_accuracy",
+     lambda: fused_metrics.sparse_categorical_accuracy(tf.zeros([3], tf.int32), tf.zeros([2, 4])),
+     ValueError, "`labels`"),
+    ("fused.metrics.fusable_metrics", lambda: fused_metrics.fusable_metrics("model"), TypeError,
+     "`model`"),
+    ("fused.metrics.fusing", lambda: fused_metrics.fusing([keras.metrics.Mean()]).__enter__(),
+     TypeError, "`metrics`"),
     # optimizer (more in test_optimizer.py)
     ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer("adam"), TypeError,
      "`inner_optimizer`"),

@@ -78,6 +78,6 @@ def _check(labels: tf.Tensor, logits: tf.Tensor) -> None:
     if not logits.dtype.is_floating:
         raise TypeError(f"`logits` must be floating, got dtype {logits.dtype.name}.")
     if (labels.shape.rank is not None and logits.shape.rank is not None
-            and labels.shape.rank != logits.shape.rank - 1):
+            and not labels.shape.is_compatible_with(logits.shape[:-1])):
         raise ValueError(f"`labels` must have shape logits.shape[:-1]={logits.shape[:-1]}, "
                          f"got {labels.shape}.")
