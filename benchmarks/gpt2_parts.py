@@ -26,6 +26,9 @@ reference:
   1024]``, 4 blocks;
 * ``loss``: softmax cross-entropy over the ``[2048, 50257]`` logits
   (Keras casts them to float32 first);
+* ``accuracy metric``: the sparse categorical accuracy over those logits,
+  forward only (KerasHub's causal LMs compile with it by default; keras-mp:
+  :mod:`keras_mp.fused.metrics`);
 * ``embedding gradients``: the token embedding's gather and its gradient
   (sparse rows summed into the dense ``[50257, 256]`` gradient that the
   tied logits matmul also produces);
@@ -76,6 +79,7 @@ def parts() -> dict[str, dict[str, Callable[[], object]]]:
     import tensorflow as tf
 
     from keras_mp.execution import fused_update
+    from keras_mp.fused import metrics as fused_metrics
     from keras_mp.fused import ops as kops
 
     s = SHAPE
@@ -145,6 +149,12 @@ def parts() -> dict[str, dict[str, Callable[[], object]]]:
         "keras": _grad_fn(lambda lg: loss_fn(labels, lg), logits),
         "keras_mp": _grad_fn(lambda lg: tf.reduce_mean(kops.sparse_softmax_cross_entropy(
             labels, lg)), logits)}
+
+    # KerasHub's CausalLM compiles with this metric by default: forward only.
+    metric = tf.function(lambda fn: tf.reduce_sum(fn(labels, logits)), autograph=False)
+    out["accuracy metric"] = {
+        "keras": lambda: metric(keras.metrics.sparse_categorical_accuracy).numpy(),
+        "keras_mp": lambda: metric(fused_metrics.sparse_categorical_accuracy).numpy()}
 
     table = tf.Variable(init([v, d], seed=[4, 4]) * 0.01)
     tokens = tf.random.stateless_uniform([b, t], seed=[5, 5], maxval=v, dtype=tf.int32)

@@ -237,7 +237,7 @@ def _with_update(fn: Callable[..., Any]) -> Callable[..., Any]:
     return train_function
 
 
-def _with_losses(fn: Callable[..., Any], losses: list, metrics: list) -> Callable[..., Any]:
+def _with_fused(fn: Callable[..., Any], losses: list, metrics: list) -> Callable[..., Any]:
     """``fn``, traced (now or on a retrace) with the model's Keras
     cross-entropy and sparse categorical accuracy as fused kernels
     (:mod:`keras_mp.fused.losses`, :mod:`keras_mp.fused.metrics`)."""
@@ -260,7 +260,7 @@ def _build(model: keras.Model, state: _State, mode: str) -> Callable[..., Any]:
         return fn
     losses = fused_losses.fusable_losses(model)
     metrics = fused_metrics.fusable_metrics(model)
-    return _with_losses(fn, losses, metrics) if losses or metrics else fn
+    return _with_fused(fn, losses, metrics) if losses or metrics else fn
 
 
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:

@@ -16,7 +16,8 @@ as an object (KerasHub's default) is fused from the first step; one named by
 a string (``"accuracy"``) is built by Keras inside the first traced step, so
 it is fused from the next train function keras-mp builds (after a precision
 change) on. On a small classifier (64-128-10 MLP, batch 128, same machine)
-the fused metric cost nothing measurable: 1.68 against 1.70 ms CPU per step.
+the fused metric cost nothing measurable: 1.68 against 1.70 ms CPU per step
+(7 interleaved rounds of a 50-step epoch).
 
 Example:
     >>> import numpy as np

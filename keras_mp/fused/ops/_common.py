@@ -34,3 +34,14 @@ def _check_vector(name: str, v: tf.Tensor, x: tf.Tensor) -> None:
         raise ValueError(
             f"`{name}` must be a vector of length x.shape[-1]={x.shape[-1]}, "
             f"got shape {v.shape}.")
+
+
+def _check_labels(labels: tf.Tensor, logits: tf.Tensor) -> None:
+    """Integer class ids shaped like ``logits`` without its class axis."""
+    if not labels.dtype.is_integer:
+        raise TypeError(f"`labels` must be integer class ids, got dtype {labels.dtype.name}.")
+    if (labels.shape.rank is not None and logits.shape.rank is not None
+            and not labels.shape.is_compatible_with(logits.shape[:-1])):
+        raise ValueError(
+            f"`labels` must have shape logits.shape[:-1]={logits.shape[:-1]}, "
+            f"got {labels.shape}.")

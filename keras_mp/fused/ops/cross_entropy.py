@@ -6,7 +6,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_mp.device import xla
-from keras_mp.fused.ops._common import _float, _fused_enabled
+from keras_mp.fused.ops._common import _check_labels, _float, _fused_enabled
 
 __all__ = ["sparse_softmax_cross_entropy", "sparse_softmax_cross_entropy_reference"]
 
@@ -96,13 +96,3 @@ def sparse_softmax_cross_entropy_reference(labels, logits) -> tf.Tensor:
     labels = tf.convert_to_tensor(labels)
     _check_labels(labels, logits)
     return ops.sparse_categorical_crossentropy(labels, logits, from_logits=True)
-
-
-def _check_labels(labels: tf.Tensor, logits: tf.Tensor) -> None:
-    if not labels.dtype.is_integer:
-        raise TypeError(f"`labels` must be integer class ids, got dtype {labels.dtype.name}.")
-    if (labels.shape.rank is not None and logits.shape.rank is not None
-            and labels.shape.rank != logits.shape.rank - 1):
-        raise ValueError(
-            f"`labels` must have shape logits.shape[:-1]={logits.shape[:-1]}, "
-            f"got {labels.shape}.")
