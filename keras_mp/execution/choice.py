@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -25,6 +26,7 @@ from keras_mp.device import xla
 from keras_mp.execution import fused_update, micro_benchmark, placement, step_trial
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
+from keras_mp.fused import shared_matches
 from keras_mp.execution.placement import compute_dtypes as _compute_dtypes
 from keras_mp.execution.micro_benchmark import MARGIN
 
@@ -240,10 +242,13 @@ def _with_update(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _with_fused(fn: Callable[..., Any], losses: list, metrics: list) -> Callable[..., Any]:
     """``fn``, traced (now or on a retrace) with the model's Keras
     cross-entropy and sparse categorical accuracy as fused kernels
-    (:mod:`keras_mp.fused.losses`, :mod:`keras_mp.fused.metrics`)."""
+    (:mod:`keras_mp.fused.losses`, :mod:`keras_mp.fused.metrics`); with
+    both, the accuracy takes its matches from the loss's forward kernel
+    (:mod:`keras_mp.fused.shared_matches`)."""
+    share = shared_matches.sharing if losses and metrics else contextlib.nullcontext
 
     def train_function(iterator):
-        with fused_losses.fusing(losses), fused_metrics.fusing(metrics):
+        with fused_losses.fusing(losses), fused_metrics.fusing(metrics), share():
             return fn(iterator)
 
     return train_function

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import keras
 import tensorflow as tf
 
+from keras_mp.fused import shared_matches
 from keras_mp.fused.ops import cross_entropy
 
 __all__ = ["SparseCategoricalCrossentropy", "fusable_losses", "fusing"]
@@ -65,8 +66,13 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
                 labels = tf.squeeze(labels, -1)
             if not labels.dtype.is_integer:
                 labels = tf.cast(labels, tf.int32)
-            losses = cross_entropy.sparse_softmax_cross_entropy(labels, logits,
-                                                                dtype=self.dtype)
+            if shared_matches.active():   # the step's accuracy reads these
+                losses, matches = cross_entropy.sparse_softmax_cross_entropy(
+                    labels, logits, dtype=self.dtype, with_matches=True)
+                shared_matches.put(y_true, y_pred, matches)
+            else:
+                losses = cross_entropy.sparse_softmax_cross_entropy(labels, logits,
+                                                                    dtype=self.dtype)
             return reduce_weighted_values(losses, sample_weight=sample_weight, mask=mask,
                                           reduction=self.reduction, dtype=self.dtype)
 

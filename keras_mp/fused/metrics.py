@@ -36,6 +36,7 @@ import keras
 import tensorflow as tf
 from keras.src.metrics import accuracy_metrics
 
+from keras_mp.fused import shared_matches
 from keras_mp.fused.ops import accuracy
 
 __all__ = ["sparse_categorical_accuracy", "fusable_metrics", "fusing"]
@@ -47,6 +48,7 @@ def sparse_categorical_accuracy(y_true, y_pred) -> tf.Tensor:
     """``keras.metrics.sparse_categorical_accuracy`` with the fused kernel
     where it applies (Keras's own code otherwise): matches in Keras's
     ``floatx``, shaped as Keras shapes them."""
+    shared = shared_matches.take(y_true, y_pred)
     y_pred, y_true = tf.convert_to_tensor(y_pred), tf.convert_to_tensor(y_true)
     if (not y_pred.dtype.is_floating or y_pred.shape.rank is None
             or y_true.shape.rank is None):
@@ -59,7 +61,10 @@ def sparse_categorical_accuracy(y_true, y_pred) -> tf.Tensor:
         return _KERAS_FN(y_true, y_pred)
     if not labels.dtype.is_integer:
         labels = tf.cast(labels, tf.int32)  # class ids given as floats
-    matches = tf.cast(accuracy.sparse_top1_matches(labels, y_pred), keras.backend.floatx())
+    matches = shared   # the fused loss's matches of the same step, if it left them
+    if matches is None:
+        matches = accuracy.sparse_top1_matches(labels, y_pred)
+    matches = tf.cast(matches, keras.backend.floatx())
     if squeeze:
         matches = tf.reshape(matches, shape)
     if matches.shape.rank is not None and matches.shape.rank > 1 and matches.shape[-1] == 1:

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_mp import execution
 from keras_mp.device import xla
-from keras_mp.fused import metrics
+from keras_mp.fused import metrics, shared_matches
 from keras_mp.fused.ops import accuracy
 
 
@@ -80,6 +80,21 @@ def test_reference_and_bad_arguments():
             pass
 
 
+def _spies(monkeypatch):
+    """Records the accuracy kernel's traces and what the metric took from the loss."""
+    traced, taken = [], []
+    kernel, take = accuracy._top1, shared_matches.take
+    monkeypatch.setattr(accuracy, "_top1", lambda *a: traced.append(1) or kernel(*a))
+    monkeypatch.setattr(shared_matches, "take",
+                        lambda t, p: taken.append(take(t, p)) or taken[-1])
+    return traced, taken
+
+
+def _classifier_data():
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(64, 5, 3)).astype("float32"), rng.integers(0, 11, (64, 5))
+
+
 def test_configured_model_traces_the_fused_metric_and_keeps_keras_metric(fused_on,
                                                                           monkeypatch):
     model = keras.Sequential([keras.Input((5, 3)), keras.layers.Dense(11)])
@@ -88,21 +103,48 @@ def test_configured_model_traces_the_fused_metric_and_keeps_keras_metric(fused_o
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=[metric], weighted_metrics=["sparse_categorical_accuracy"])
     assert metrics.fusable_metrics(model) == [metric]   # the name is built on the first step
-    traced = []
-    kernel = accuracy._top1
-    monkeypatch.setattr(accuracy, "_top1", lambda *a: traced.append(1) or kernel(*a))
+    traced, taken = _spies(monkeypatch)
     execution.configure(model, mode="graph")
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(64, 5, 3)).astype("float32")
-    y = rng.integers(0, 11, (64, 5))
+    x, y = _classifier_data()
     expected = np.mean(np.argmax(np.asarray(model(x)), -1) == y)   # before the update
     history = model.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False)
-    assert traced   # the step was traced with the fused kernel
+    # The step was traced with the fused metric, which took its matches from
+    # the fused loss's forward kernel: no accuracy kernel of its own.
+    assert taken and all(m is not None for m in taken) and not traced
     assert history.history["sparse_categorical_accuracy"][0] == pytest.approx(expected)
     # The metric is Keras's again, and so is what is saved.
     assert metric._fn is keras.metrics.sparse_categorical_accuracy
     assert "keras_mp" not in str(model.get_compile_config())
+    assert not shared_matches.active()
     built = metrics.fusable_metrics(model)
     assert metric in built and len(built) == 2   # the named one, now built
     history = model.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False)
     assert 0.0 <= history.history["sparse_categorical_accuracy"][0] <= 1.0
+
+
+def test_fused_metric_beside_an_unfused_loss_runs_its_own_kernel(fused_on, monkeypatch):
+    model = keras.Sequential([keras.Input((5, 3)), keras.layers.Dense(11, activation="softmax")])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(),
+                  metrics=[keras.metrics.SparseCategoricalAccuracy()])
+    traced, taken = _spies(monkeypatch)
+    execution.configure(model, mode="graph")
+    x, y = _classifier_data()
+    expected = np.mean(np.argmax(np.asarray(model(x)), -1) == y)
+    history = model.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    assert traced and all(m is None for m in taken)
+    assert history.history["sparse_categorical_accuracy"][0] == pytest.approx(expected)
+
+
+def test_shared_matches_are_kept_per_block_and_matched_by_identity():
+    y_true, y_pred, m = tf.constant([1]), tf.constant([[0.0, 2.0]]), tf.constant([1.0])
+    with pytest.raises(RuntimeError, match="sharing"):
+        shared_matches.put(y_true, y_pred, m)
+    assert shared_matches.take(y_true, y_pred) is None
+    with shared_matches.sharing():
+        shared_matches.put(y_true, y_pred, m)
+        assert shared_matches.take(y_true, y_pred) is m
+        assert shared_matches.take(tf.constant([1]), y_pred) is None   # an equal, other tensor
+        with shared_matches.sharing():
+            assert shared_matches.take(y_true, y_pred) is None
+        assert shared_matches.take(y_true, y_pred) is m
+    assert not shared_matches.active()

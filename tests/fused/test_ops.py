@@ -175,6 +175,29 @@ def test_sparse_softmax_cross_entropy_matches_reference(dtype):
     np.testing.assert_allclose(_f32(g), g_ref, rtol=GRAD_TOL[dtype], atol=GRAD_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_softmax_cross_entropy_with_matches(dtype):
+    """The forward kernel's top-1 matches are the argmax's: the first class on
+    ties, none for an out-of-range label; the loss is the same."""
+    logits = _as(_rng().normal(size=(6, 5, 10)) * 2, dtype)
+    labels = _rng(1).integers(0, 10, size=(6, 5)).astype("int32")
+    labels.reshape(-1)[:12] = np.argmax(_f32(logits), -1).reshape(-1)[:12]
+    labels[0, 0], labels[0, 1] = 10, -1
+    loss, matches = kops.sparse_softmax_cross_entropy(labels, logits, with_matches=True)
+    np.testing.assert_allclose(_f32(loss), _f32(kops.sparse_softmax_cross_entropy(labels, logits)),
+                               rtol=1e-6, equal_nan=True)
+    assert matches.dtype == tf.float32
+    np.testing.assert_array_equal(matches, kops.sparse_top1_matches_reference(labels, logits))
+    assert 10 <= float(tf.reduce_sum(matches)) < 30
+    ties = tf.constant([[1.0, 3.0, 3.0, 0.0]] * 3, tf.as_dtype(dtype))
+    _, matches = kops.sparse_softmax_cross_entropy(tf.constant([1, 2, 0]), ties, with_matches=True)
+    np.testing.assert_array_equal(matches, [1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(kops.sparse_top1_matches(tf.constant([1, 2, 0]), ties),
+                                  [1.0, 0.0, 0.0])
+    with pytest.raises(TypeError, match="`with_matches` must be True or False"):
+        kops.sparse_softmax_cross_entropy(labels, logits, with_matches=1)
+
+
 def test_sparse_softmax_cross_entropy_out_of_range_label_is_nan():
     logits = tf.zeros([3, 4])
     loss = kops.sparse_softmax_cross_entropy(tf.constant([0, 4, -1]), logits).numpy()
@@ -243,7 +266,9 @@ def _kernel_args():
         "layer_norm": [(x, v, v, 1e-3), (x, x, v, v, 1e-3)],
         "rms_norm": [(x, v, 1e-6), (x, x, v, 1e-6)],
         "softmax": [(x, mask, -1), (x, x, -1)],
-        "sparse_softmax_cross_entropy": [(labels, x), (tf.ones([2, 3], tf.bfloat16), labels, x)],
+        "sparse_softmax_cross_entropy": [(labels, x, True),
+                                         (tf.ones([2, 3], tf.bfloat16), labels, x,
+                                          tf.ones([2, 3], tf.float32))],
     }
 
 

@@ -1,4 +1,18 @@
-"""Sparse softmax cross-entropy from logits, float32 inside."""
+"""Sparse softmax cross-entropy from logits, float32 inside, one kernel each way.
+
+A language model's logits are its largest tensor (GPT-2's ``[2048, 50257]``
+per batch of 16 x 128 tokens), so the kernels are written to pass over them
+as few times as they can: the forward reads them for the maximum and the sum
+of exponentials (the log-sum-exp, kept for the backward) and picks each
+label's logit with a gather; the backward reads them once more, for
+``exp(z - lse) - onehot``. With ``with_matches=True`` the forward also says
+whether each row's top logit is at its label (the top-1 accuracy) from the
+maximum it already has, so the model's accuracy metric needs no pass of its
+own (:mod:`keras_mp.fused.shared_matches`). Measured on a 2-core AMD EPYC
+with AVX512-BF16 (in a GPT-2 train step, TF profiler): the forward kernel
+took 100 ms and the backward 68 ms when the forward selected the label's
+logit over every class and the backward recomputed the softmax.
+"""
 
 from __future__ import annotations
 
@@ -7,42 +21,47 @@ from keras import ops
 
 from keras_mp.device import xla
 from keras_mp.fused.ops._common import _check_labels, _float, _fused_enabled
+from keras_mp.fused.ops.accuracy import sparse_top1_matches_reference, top1_matches
 
 __all__ = ["sparse_softmax_cross_entropy", "sparse_softmax_cross_entropy_reference"]
 
 
-
-
 def _ce_parts(labels, logits):
     z = _float(logits)
-    classes = tf.shape(z)[-1]
     labels = tf.cast(labels, tf.int32)
-    valid = (labels >= 0) & (labels < classes)
-    onehot = tf.one_hot(labels, classes, dtype=tf.float32)
-    return z, onehot, valid
+    valid = (labels >= 0) & (labels < tf.shape(z)[-1])
+    return z, labels, valid
+
+
+def _picked(z, labels, valid):
+    """``z[..., label]`` as a gather (a select over every class is a pass over the logits)."""
+    classes = tf.shape(z)[-1]
+    rows = tf.reshape(z, [-1, classes])
+    index = tf.reshape(tf.where(valid, labels, 0), [-1, 1])
+    return tf.reshape(tf.gather(rows, index, batch_dims=1), tf.shape(labels))
 
 
 @xla.jit("elementwise")
-def _ce_fwd(labels, logits):
-    z, onehot, valid = _ce_parts(labels, logits)
-    # A select, not z * onehot: a -inf logit of another class (a masked
-    # vocabulary entry) times 0 would make the loss nan.
-    picked = tf.reduce_sum(tf.where(onehot > 0.0, z, 0.0), -1)
-    loss = tf.reduce_logsumexp(z, -1) - picked
+def _ce_fwd(labels, logits, with_matches):
+    z, labels, valid = _ce_parts(labels, logits)
+    lse = tf.reduce_logsumexp(z, -1)
     # An out-of-range label is a bug in the data; NaN makes it visible (and
     # trips the loss scaler's finite check) instead of a plausible loss.
-    return tf.where(valid, loss, float("nan"))  # float32: the caller casts
+    loss = tf.where(valid, lse - _picked(z, labels, valid), float("nan"))  # float32
+    matches = top1_matches(z, labels) if with_matches else tf.zeros([0])
+    return loss, lse, matches
 
 
 @xla.jit("elementwise")
-def _ce_bwd(dloss, labels, logits):
-    z, onehot, valid = _ce_parts(labels, logits)
-    g = (tf.nn.softmax(z, -1) - onehot) * _float(dloss)[..., None]
+def _ce_bwd(dloss, labels, logits, lse):
+    z, labels, valid = _ce_parts(labels, logits)
+    onehot = tf.one_hot(labels, tf.shape(z)[-1], dtype=tf.float32)
+    g = (tf.exp(z - lse[..., None]) - onehot) * _float(dloss)[..., None]
     g = tf.where(valid[..., None], g, float("nan"))
     return tf.cast(g, logits.dtype)
 
 
-def sparse_softmax_cross_entropy(labels, logits, *, dtype=None) -> tf.Tensor:
+def sparse_softmax_cross_entropy(labels, logits, *, dtype=None, with_matches: bool = False):
     """Per-example ``-log softmax(logits)[label]``, in float32 inside.
 
     Args:
@@ -52,9 +71,14 @@ def sparse_softmax_cross_entropy(labels, logits, *, dtype=None) -> tf.Tensor:
             read as they are: no float32 copy of them is made.
         dtype: the loss's dtype (e.g. ``"float32"`` for 16-bit logits);
             None: ``logits``'s dtype.
+        with_matches: also return the top-1 matches
+            (:func:`keras_mp.fused.ops.sparse_top1_matches`), from the same
+            forward kernel.
 
     Returns:
-        The loss per example, shaped like ``labels``, in ``dtype``.
+        The loss per example, shaped like ``labels``, in ``dtype``; with
+        ``with_matches``, ``(loss, matches)``, the matches in float32 and
+        not differentiable.
 
     Example:
         >>> import tensorflow as tf
@@ -62,6 +86,10 @@ def sparse_softmax_cross_entropy(labels, logits, *, dtype=None) -> tf.Tensor:
         >>> l = kops.sparse_softmax_cross_entropy(tf.constant([0]), tf.constant([[0.0, 0.0]]))
         >>> round(float(l[0]), 4)
         0.6931
+        >>> l, m = kops.sparse_softmax_cross_entropy(tf.constant([1]), tf.constant([[0.0, 2.0]]),
+        ...                                          with_matches=True)
+        >>> m.numpy().tolist()
+        [1.0]
     """
     logits = tf.convert_to_tensor(logits)
     labels = tf.convert_to_tensor(labels)
@@ -69,17 +97,26 @@ def sparse_softmax_cross_entropy(labels, logits, *, dtype=None) -> tf.Tensor:
     dtype = tf.as_dtype(dtype or logits.dtype)
     if not dtype.is_floating:
         raise ValueError(f"`dtype` must be a floating dtype or None, got {dtype.name}.")
+    if not isinstance(with_matches, bool):
+        raise TypeError(f"`with_matches` must be True or False, got {with_matches!r}.")
     if not _fused_enabled():
-        return tf.cast(sparse_softmax_cross_entropy_reference(labels, logits), dtype)
+        loss = tf.cast(sparse_softmax_cross_entropy_reference(labels, logits), dtype)
+        if not with_matches:
+            return loss
+        return loss, sparse_top1_matches_reference(labels, logits)
+    found = {}
 
     @tf.custom_gradient
     def fused(logits):
+        loss, lse, found["matches"] = _ce_fwd(labels, logits, with_matches)
+
         def grad(dloss):
-            return _ce_bwd(dloss, labels, logits)
+            return _ce_bwd(dloss, labels, logits, lse)
 
-        return _ce_fwd(labels, logits), grad
+        return loss, grad
 
-    return tf.cast(fused(logits), dtype)
+    loss = tf.cast(fused(logits), dtype)
+    return (loss, tf.stop_gradient(found["matches"])) if with_matches else loss
 
 
 def sparse_softmax_cross_entropy_reference(labels, logits) -> tf.Tensor:
