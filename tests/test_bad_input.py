@@ -30,6 +30,7 @@ from keras_mp.execution import fused_update, step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
+from keras_mp.fused import shared_matches
 from keras_mp.scaling import kernels, layer_scales, loss_scale, optimizer
 from keras_mp.device import memory, xla
 from keras_mp.fused.fuse import fuse as fuse_model
@@ -44,7 +45,7 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
            "device", "device.capabilities", "device.memory", "device.xla", "distribute",
            "execution",
            "execution.fused_update", "execution.step_trial", "fused", "fused.fuse", "fused.layers",
-           "fused.losses", "fused.metrics",
+           "fused.losses", "fused.metrics", "fused.shared_matches",
            "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.layer_scales",
            "scaling.loss_scale", "scaling.optimizer", "tuning"]
 
@@ -62,6 +63,8 @@ NO_ARGUMENTS = {
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
     "device.memory.process_rss", "device.memory.process_peak_rss", "device.memory.step_device",
     "fused.layers.fused_activation",  # a lookup: None for anything without a fused kernel
+    "fused.shared_matches.sharing", "fused.shared_matches.active",
+    "fused.shared_matches.take",  # a lookup by identity: None for anything not left there
 }
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
@@ -207,6 +210,9 @@ CASES = [
      "`scale`"),
     # layers (Keras's own validation, inherited)
     ("fused.layers.Dense", lambda: layers.Dense(0), ValueError, "units"),
+    ("fused.layers.ReversibleEmbedding", lambda: layers.ReversibleEmbedding(0, 4), ValueError,
+     "input_dim"),
+    ("fused.layers.fused_class", lambda: layers.fused_class("Dense"), TypeError, "`cls`"),
     ("fused.layers.LayerNormalization", lambda: layers.LayerNormalization(axis="x")(x2), TypeError,
      "axis"),
     ("fused.layers.RMSNormalization", lambda: layers.RMSNormalization(axis="x")(x2),
@@ -272,6 +278,9 @@ CASES = [
     ("fused.metrics.sparse_categorical_accuracy",
      lambda: fused_metrics.sparse_categorical_accuracy(tf.zeros([3], tf.int32), tf.zeros([2, 4])),
      ValueError, "`labels`"),
+    ("fused.shared_matches.put",
+     lambda: shared_matches.put(tf.zeros([1]), tf.zeros([1, 2]), tf.zeros([1])), RuntimeError,
+     "sharing"),
     ("fused.metrics.fusable_metrics", lambda: fused_metrics.fusable_metrics("model"), TypeError,
      "`model`"),
     ("fused.metrics.fusing", lambda: fused_metrics.fusing([keras.metrics.Mean()]).__enter__(),

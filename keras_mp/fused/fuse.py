@@ -21,13 +21,13 @@ import keras
 
 from keras_mp._cloning import clone_with_weights
 from keras_mp.device import xla
-from keras_mp.fused.layers import FUSED_LAYERS, MultiHeadAttention
+from keras_mp.fused.layers import MultiHeadAttention, fused_class
 
 __all__ = ["fuse"]
 
 
 def _swap(layer: keras.layers.Layer) -> keras.layers.Layer:
-    fused_cls = FUSED_LAYERS.get(type(layer))
+    fused_cls = fused_class(type(layer))
     config = layer.get_config()
     if fused_cls is not None:
         return fused_cls.from_config(config)
@@ -41,9 +41,10 @@ def fuse(model: keras.Model, *, inplace: bool = False) -> keras.Model:
     itself with ``inplace=True``.
 
     ``keras.layers.Dense``, ``LayerNormalization``, ``RMSNormalization``,
-    ``Softmax`` and ``MultiHeadAttention`` (exactly these classes, not
-    subclasses of them) become their :mod:`keras_mp.fused.layers`
-    counterparts, with the same config, so the same dtype policy, and the
+    ``Softmax``, ``MultiHeadAttention`` and ``ReversibleEmbedding`` (exactly
+    these classes, or KerasHub's re-export of one, as its
+    ``ReversibleEmbedding``: :func:`keras_mp.fused.layers.fused_class`)
+    become their :mod:`keras_mp.fused.layers` counterparts, with the same config, so the same dtype policy, and the
     same weights; layers inside other layers (a KerasHub
     ``TransformerDecoder``'s ``Dense``, ``LayerNormalization`` and its
     attention's ``Softmax``) and nested models are fused too. In place, a
@@ -117,7 +118,7 @@ def _swap_in_place(model: keras.Model) -> None:
     (an activation without a kernel, another axis) keeps its Keras class, so
     a saved model needs keras_mp only where it uses a fused layer."""
     for layer in model._flatten_layers(include_self=False, recursive=True):
-        fused_cls = FUSED_LAYERS.get(type(layer))
+        fused_cls = fused_class(type(layer))
         if fused_cls is None:
             continue
         if fused_cls is MultiHeadAttention and not xla.uses_xla("matmul"):

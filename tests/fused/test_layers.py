@@ -150,11 +150,66 @@ def test_softmax_several_axes_falls_back_to_keras():
     _assert_same(ref, fused, tf.random.normal([2, 4, 8]), "float32")
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("tie_weights", [True, False])
+def test_reversible_embedding_logits_in_the_compute_dtype(policy, tie_weights):
+    """Keras's reverse projection runs in float32 under mixed precision (the
+    table stays float32 in call); the fused one in the compute dtype, like a
+    Dense layer, with the same values within its rounding. The lookup is Keras's."""
+    kwargs = dict(input_dim=50, output_dim=8, tie_weights=tie_weights, logit_soft_cap=30.0)
+    ref, fused = _pair(keras.layers.ReversibleEmbedding, klayers.ReversibleEmbedding, None,
+                       policy, **kwargs)
+    assert fused.fused == (policy != "float32")
+    h = tf.random.normal([2, 3, 8])
+    y_ref, g_ref = _run(ref, h, reverse=True)
+    y, g = _run(fused, h, reverse=True)
+    assert y.dtype == tf.as_dtype(fused.compute_dtype) and y_ref.dtype == tf.float32
+    np.testing.assert_allclose(tf.cast(y, tf.float32), y_ref, rtol=TOL[policy] * 3,
+                               atol=TOL[policy] * 3 * float(tf.reduce_max(tf.abs(y_ref))))
+    for a, b in zip(g, g_ref):
+        assert (a is None) == (b is None)   # an untied table takes no reverse gradient
+        if b is None:
+            continue
+        scale = max(1.0, float(tf.reduce_max(tf.abs(tf.cast(b, tf.float32)))))
+        np.testing.assert_allclose(tf.cast(a, tf.float32) / scale,
+                                   tf.cast(b, tf.float32) / scale,
+                                   rtol=GRAD_TOL[policy], atol=GRAD_TOL[policy])
+    ids = tf.constant([[1, 7, 49]])
+    np.testing.assert_array_equal(tf.cast(fused(ids), tf.float32), tf.cast(ref(ids), tf.float32))
+
+
+def test_reversible_embedding_fallbacks_run_keras():
+    layer = klayers.ReversibleEmbedding(20, 4, reverse_dtype="float32", dtype="mixed_bfloat16")
+    layer.build()
+    assert not layer.fused and layer(tf.ones([1, 4]), reverse=True).dtype == tf.float32
+    layer = klayers.ReversibleEmbedding(20, 4, dtype="mixed_bfloat16")
+    layer.build()
+    layer.enable_lora(2)
+    assert not layer.fused and layer(tf.ones([1, 4]), reverse=True).dtype == tf.float32
+    layer = klayers.ReversibleEmbedding(20, 4, dtype="mixed_bfloat16")
+    layer.build()
+    layer.quantize("int8")   # Keras's quantized layer from here on
+    assert not layer.fused and layer.quantization_mode == "int8"
+    assert layer(tf.ones([1, 4]), reverse=True).shape == (1, 20)
+
+
+def test_fused_class_takes_exact_classes_and_kerashub_reexports_only():
+    class Mine(keras.layers.ReversibleEmbedding):
+        pass
+
+    assert klayers.fused_class(keras.layers.ReversibleEmbedding) is klayers.ReversibleEmbedding
+    assert klayers.fused_class(Mine) is None and klayers.fused_class(keras.layers.Embedding) is None
+    keras_hub = pytest.importorskip("keras_hub")
+    assert klayers.fused_class(keras_hub.layers.ReversibleEmbedding) is klayers.ReversibleEmbedding
+    assert klayers.fused_class(keras_hub.layers.TransformerDecoder) is None
+
+
 @pytest.mark.parametrize("cls,kwargs", [
     (klayers.Dense, {"units": 3, "activation": "gelu"}),
     (klayers.LayerNormalization, {"epsilon": 1e-5}),
     (klayers.RMSNormalization, {"epsilon": 1e-5}),
     (klayers.Softmax, {"axis": 1}),
+    (klayers.ReversibleEmbedding, {"input_dim": 10, "output_dim": 4, "logit_soft_cap": 5.0}),
 ])
 def test_layers_serialize_under_the_keras_mp_package(cls, kwargs):
     layer = cls(dtype="mixed_bfloat16", **kwargs)
