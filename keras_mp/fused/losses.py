@@ -1,12 +1,15 @@
 """Keras's sparse categorical cross-entropy from logits as one fused kernel each way.
 
 A language model's loss is a softmax over its whole vocabulary: on GPT-2's
-``[batch * length, 50257]`` logits Keras first copies the bfloat16 logits to
-float32 (the loss's dtype), then runs log-softmax and the pick as separate
-ops, forward and backward. Measured on a 2-core AMD EPYC (batch 16 x 128
-tokens, ``python -m benchmarks.gpt2_parts``): 581 ms CPU per step for Keras's
-loss against 174 ms for :func:`keras_mp.fused.ops.sparse_softmax_cross_entropy`
-on the bfloat16 logits, next to 731 ms for all the step's bfloat16 matmuls.
+``[batch * length, 50257]`` logits Keras runs log-softmax and the pick as
+separate ops over float32 logits (a float32 copy of 16-bit ones), forward
+and backward. Measured on a 2-core AMD EPYC with AVX512-BF16 (batch 16 x 128
+tokens, ``python -m benchmarks.gpt2_parts``, 5 interleaved rounds): 452.9 ms
+CPU per step for Keras's loss on the float32 logits Keras's GPT-2 makes,
+226.7 ms for :func:`keras_mp.fused.ops.sparse_softmax_cross_entropy` on the
+bfloat16 logits keras-mp's makes. Inside :func:`keras_mp.fused.shared_matches.sharing`
+(a keras-mp train step that also fuses the accuracy) its forward kernel also
+gives the accuracy's top-1 matches.
 
 :class:`SparseCategoricalCrossentropy` is Keras's loss with that kernel where
 it applies (``from_logits=True``, no ``ignore_class``, the last axis);

@@ -4,10 +4,12 @@ train step is traced.
 KerasHub's causal language models compile with
 ``keras.metrics.SparseCategoricalAccuracy`` by default, which Keras computes
 over the whole logits tensor as a chain of separate ops
-(:mod:`keras_mp.fused.ops.accuracy` has the figures: 228 ms of a 1369 ms
-GPT-2 train step on a 2-core EPYC). :func:`sparse_categorical_accuracy` is
-Keras's function with :func:`keras_mp.fused.ops.sparse_top1_matches` where it
-applies (integer or integral labels, logits with classes on the last axis);
+(:mod:`keras_mp.fused.ops.accuracy` has the figures).
+:func:`sparse_categorical_accuracy` is Keras's function with
+:func:`keras_mp.fused.ops.sparse_top1_matches` where it applies (integer or
+integral labels, logits with classes on the last axis), or, beside the fused
+loss in the same step, with the matches the loss's forward kernel computed
+(:mod:`keras_mp.fused.shared_matches`);
 :func:`fusing` gives the model's accuracy metrics that function while a step
 is traced, as :func:`keras_mp.fused.losses.fusing` does for the loss
 (:mod:`keras_mp.execution` does both, for the models it configures), so the

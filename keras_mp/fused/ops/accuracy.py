@@ -1,20 +1,20 @@
-"""Top-1 matches of logits against integer labels in one pass: Keras's
-sparse categorical accuracy.
+"""Top-1 matches of logits against integer labels: Keras's sparse
+categorical accuracy as one fused kernel.
 
 KerasHub's causal language models compile with that metric by default, and
 Keras computes it over the whole ``[batch, length, vocabulary]`` logits as
 separate ops: a float32 copy of the logits, a scan for negative zeros
 (bitcast, bitwise and, compare, select: Keras's fix for flush-to-zero), the
-argmax, and the labels cast to the logits' dtype. Measured on a 2-core AMD
-EPYC with AVX512-BF16 (KerasHub ``GPT2CausalLM``, 4 blocks, d=256, batch 16 x
-128 tokens, 50257 tokens, median train step by process CPU time): the
-metric cost Keras ``mixed_bfloat16`` 149 ms of its 1490 ms step and
-keras-mp 228 ms of 1369 ms. Here it is one XLA kernel reading the 16-bit
-logits once and comparing integer ids exactly; alone, on GPT-2's bfloat16
-``[2048, 50257]`` logits (``python -m benchmarks.gpt2_parts``, 5 interleaved
-rounds): 134 ms CPU against Keras's 168.5 (Keras casts the labels to the
-logits' dtype, so in bfloat16 ids above 256 are rounded before the
-comparison).
+argmax, and the labels cast to the logits' dtype (in bfloat16 that rounds
+ids above 256, so a wrong prediction can count as right). Here it is one XLA
+kernel of two plain row reductions over the 16-bit logits, the maximum and
+then the first index holding it (:func:`top1_matches`), comparing integer
+ids exactly. Alone on GPT-2's ``[2048, 50257]`` logits on a 2-core AMD EPYC
+with AVX512-BF16 (``python -m benchmarks.gpt2_parts``, 5 interleaved
+rounds): 101.5 ms CPU against Keras's 169.5 on its float32 logits. In a
+keras-mp train step beside the fused cross-entropy it costs no pass of its
+own: the loss's forward kernel computes the matches
+(:mod:`keras_mp.fused.shared_matches`).
 
 Example:
     >>> import tensorflow as tf

@@ -9,9 +9,11 @@ label's logit with a gather; the backward reads them once more, for
 whether each row's top logit is at its label (the top-1 accuracy) from the
 maximum it already has, so the model's accuracy metric needs no pass of its
 own (:mod:`keras_mp.fused.shared_matches`). Measured on a 2-core AMD EPYC
-with AVX512-BF16 (in a GPT-2 train step, TF profiler): the forward kernel
+with AVX512-BF16: in a GPT-2 train step (TF profiler) the forward kernel
 took 100 ms and the backward 68 ms when the forward selected the label's
-logit over every class and the backward recomputed the softmax.
+logit over every class and the backward recomputed the softmax; alone on
+``[2048, 50257]`` bfloat16 logits, forward and backward, 7 interleaved
+rounds: 166.8 ms CPU now against 271.5 then, 215.4 with the matches.
 """
 
 from __future__ import annotations
