@@ -1,0 +1,62 @@
+"""keras_mp.adaptive.forward: the statistics of a large tensor (more than
+``LARGE`` elements) come from reductions that copy nothing, and equal those
+of the XLA kernel used for smaller tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_mp.adaptive import forward
+
+
+def _large(dtype="bfloat16"):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 8192)).astype("float32") * 3.0
+    x[7, 11] = -40.0                                   # the largest |x|, negative
+    x[100, :2000] = forward.dtype_tiny(dtype) / 4      # subnormal in `dtype`
+    assert x.size > forward.LARGE
+    return tf.cast(x, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_large_tensor_statistics_equal_the_kernels(dtype):
+    x = _large(dtype)
+    tiny = forward.dtype_tiny(dtype)
+    large = forward.layer_statistics([x], [x], dtype)
+    # The same tensor below the threshold takes the XLA kernel.
+    small = forward.layer_statistics([x[:16]], [x[:16]], dtype)
+    fields = dict(zip(forward.FIELDS, large.numpy()))
+    expected = float(np.max(np.abs(np.asarray(tf.cast(x, tf.float32)))))
+    assert fields["in_amax"] == fields["out_amax"] == pytest.approx(expected)
+    assert expected == pytest.approx(40.0, rel=1e-2)
+    assert fields["in_range"] == fields["out_nonfinite"] == 0.0
+    # Subnormals, from a strided sample: about 2000 / 8.4M of the elements.
+    # (TensorFlow's CPU threads read float32 and bfloat16 subnormals as zero.)
+    if dtype == "float16":
+        assert 0.0 < fields["out_flushed"] < 0.01
+    assert tiny > 0
+    assert dict(zip(forward.FIELDS, small.numpy()))["out_nonfinite"] == 0.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_large_tensor_nonfinite_is_seen(bad):
+    x = tf.tensor_scatter_nd_update(_large(), [[900, 8000]], tf.constant([bad], tf.bfloat16))
+    fields = dict(zip(forward.FIELDS, forward.layer_statistics([x], [x], "bfloat16").numpy()))
+    assert fields["in_range"] == 1.0 and fields["out_nonfinite"] == 1.0
+    assert fields["in_amax"] == fields["out_amax"] == 0.0   # not known: 0
+
+
+def test_large_tensor_statistics_copy_nothing():
+    """XLA:CPU reduces a 16-bit tensor through a float32 copy of it; the
+    large-tensor path must not (measured: +512 MiB of TensorFlow's allocator
+    peak on GPT-2's bfloat16 logits before)."""
+    x = _large()
+    step = tf.function(lambda x: forward.layer_statistics([x], [x], "bfloat16"))
+    step(x)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    step(x).numpy()
+    grown = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    assert grown < x.shape.num_elements() // 4, grown   # a float32 copy is 2x the tensor
