@@ -74,9 +74,14 @@ def _quantizable_classes() -> list[type]:
     return classes
 
 
-def _with_own_entry(original: Callable) -> Callable:
+def _with_own_entry(original: Callable, cls: type) -> Callable:
     @functools.wraps(original)
     def quantize(self, mode=None, type_check=True, config=None):
+        if type_check and type(self) is _fused_counterpart(cls):
+            # A layer keras_mp.fuse(model, inplace=True) gave its fused
+            # class: Keras bound this method to it when it was built, and
+            # Keras's method refuses any class but its own.
+            type_check = False
         held = self.__dict__.get("_dtype_policy")
         if not isinstance(held, AdaptivePolicy) or not self.path:
             return original(self, mode, type_check=type_check, config=config)
@@ -94,6 +99,12 @@ def _with_own_entry(original: Callable) -> Callable:
             held.set_policy(self.path, own)    # recorded; the controller skips it
     setattr(quantize, _MARK, True)
     return quantize
+
+
+def _fused_counterpart(cls: type) -> type | None:
+    from keras_mp.fused.layers import FUSED_LAYERS  # the layer classes: imported when used
+
+    return FUSED_LAYERS.get(cls)
 
 
 def _release_float8_first(original: Callable) -> Callable:
@@ -131,7 +142,7 @@ def patch_quantize() -> tuple[str, ...]:
             if current is None or getattr(current, _MARK, False):
                 continue
             _originals[cls] = current
-            cls.quantize = _with_own_entry(current)
+            cls.quantize = _with_own_entry(current, cls)
         check = keras.layers.Layer._check_quantize_args
         if not getattr(check, _MARK, False):
             _originals[keras.layers.Layer] = check

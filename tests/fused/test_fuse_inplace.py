@@ -70,7 +70,8 @@ def test_a_model_without_fused_kernels_stays_keras_only():
     assert "keras_mp" not in json.dumps(model.get_config())  # loads with Keras alone
 
 
-def test_kerashub_gpt2_blocks_are_fused_in_place(tmp_path):
+def _tiny_gpt2():
+    """A 1-block KerasHub GPT-2 under mixed_bfloat16, and a batch of its data."""
     keras_hub = pytest.importorskip("keras_hub")
     keras_mp.set_global_policy("mixed_bfloat16")
     try:
@@ -81,7 +82,35 @@ def test_kerashub_gpt2_blocks_are_fused_in_place(tmp_path):
     finally:
         keras_mp.set_global_policy("float32")
     tokens = np.random.default_rng(0).integers(0, 64, (2, 8)).astype("int32")
-    x = {"token_ids": tokens, "padding_mask": np.ones((2, 8), "int32")}
+    return lm, backbone, {"token_ids": tokens, "padding_mask": np.ones((2, 8), "int32")}, tokens
+
+
+def test_kerashub_gpt2_fused_in_place_exports_and_quantizes(tmp_path):
+    """Keras binds a layer's quantize method when the layer is built, to
+    Keras's class, which refuses other classes: a layer fused in place is
+    still quantized (keras_mp.deploy.quantization)."""
+    import tensorflow as tf
+
+    lm, backbone, x, tokens = _tiny_gpt2()
+    fuse(lm, inplace=True)
+    lm.compile(optimizer="adam",
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    lm.fit(x, tokens, epochs=1, verbose=0)
+    expected = np.asarray(lm.predict(x, verbose=0), "float32")
+    lm.export(str(tmp_path / "sm"), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "sm"))
+    served = loaded.serve({k: tf.constant(v) for k, v in x.items()})
+    np.testing.assert_allclose(np.asarray(tf.cast(served, tf.float32)), expected, atol=1e-2)
+    lm.quantize("int8")
+    assert backbone.token_embedding.quantization_mode == "int8"
+    ffn = backbone.transformer_layers[0]._feedforward_intermediate_dense
+    assert type(ffn) is klayers.Dense and ffn.quantization_mode == "int8"
+    np.testing.assert_allclose(np.asarray(lm.predict(x, verbose=0), "float32"), expected,
+                               atol=0.5)   # int8 weights
+
+
+def test_kerashub_gpt2_blocks_are_fused_in_place(tmp_path):
+    lm, backbone, x, tokens = _tiny_gpt2()
     before = lm.predict(x, verbose=0)
     fuse(lm, inplace=True)
     decoder = backbone.transformer_layers[0]
