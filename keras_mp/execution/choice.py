@@ -167,8 +167,9 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
         >>> import keras
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
         >>> model.compile(optimizer="adam", loss="mse")
-        >>> candidate_modes(model)
-        ('graph', 'xla_update', 'xla')
+        >>> modes = candidate_modes(model)
+        >>> modes[:2]   # "xla" follows where this machine's measured XLA matmuls are fast
+        ('graph', 'xla_update')
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
