@@ -170,6 +170,14 @@ def _is_large(x: tf.Tensor) -> bool:
     return size is not None and size > LARGE
 
 
+def _amax_and_flushed_any(x: tf.Tensor, tiny: float, stride: int):
+    """:func:`_amax_and_flushed` for a tensor of any size (see :data:`LARGE`)."""
+    if not _is_large(x):
+        return _amax_and_flushed(x, tf.constant(tiny, tf.float32), stride)
+    return _amax_large(x), _flushed_fraction(tf.reshape(x, [-1])[::stride],
+                                             tf.constant(tiny, tf.float32))
+
+
 def _ranges(tensors: Sequence[tf.Tensor], memo: dict | None) -> list[tf.Tensor]:
     """:func:`_amax` of each tensor, reusing the amax of a tensor already
     measured in this trace (the previous layer's output is the next one's
@@ -199,11 +207,7 @@ def _flushed(tensors: Sequence[tf.Tensor], tiny: float, memo: dict | None):
             amaxes.append(tf.constant(0.0))
             continue
         stride = 1 if size is None or size <= SAMPLE else -(-size // SAMPLE)
-        if _is_large(x):
-            amax = _amax_large(x)
-            fraction = _flushed_fraction(tf.reshape(x, [-1])[::stride], tf.constant(tiny))
-        else:
-            amax, fraction = _amax_and_flushed(x, tf.constant(tiny, tf.float32), stride)
+        amax, fraction = _amax_and_flushed_any(x, tiny, stride)
         if memo is not None:
             memo[id(x)] = (x, amax)
         amaxes.append(amax)
