@@ -48,7 +48,12 @@ GPU also the device allocator's peak. ``--quick`` measures ``keras_mp`` and
 the Keras one-liner of its compute dtype (``keras_float32`` where that one
 was not timed); the full bench every timed variant; ``--no-memory`` none.
 
-Run: ``python -m benchmarks.suite [--quick] [--models mlp,cnn] [--out DIR]``
+Sizes: ``size`` (``--size batch=64,length=256``) overrides the named sizes
+of every model run (:data:`benchmarks.models.SIZES`: ``batch`` for all,
+``length``, ``dim``, ``blocks`` for the transformer...), e.g. to read the
+memory column at the size one will train.
+
+Run: ``python -m benchmarks.suite [--quick] [--models mlp,cnn] [--size batch=64] [--out DIR]``
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ from .models import get as get_model
 from .variants import KERAS_VARIANTS, VARIANTS, add_probe_cost, dtype_counts, first_steps
 from .variants import make as make_variant
 
-__all__ = ["MODELS", "QUICK_MODELS", "VARIANTS", "KERAS_VARIANTS", "run", "main"]
+__all__ = ["MODELS", "QUICK_MODELS", "VARIANTS", "KERAS_VARIANTS", "parse_size", "run",
+           "main"]
 
 #: What ``--quick`` runs when no model is named.
 QUICK_MODELS: tuple[str, ...] = ("mlp", "transformer")
@@ -83,6 +89,40 @@ _QUICK = {"mlp": dict(batch=128, features=512, width=1024, depth=3),
 #: same rows is reported from that step and not timed
 #: (Keras's mixed_float16 on an AMX Xeon: 61-439x slower than float32).
 TOO_SLOW = 8.0
+
+
+def parse_size(text: str) -> dict[str, int]:
+    """``"batch=64,length=256"`` -> ``{"batch": 64, "length": 256}``.
+
+    >>> parse_size("batch=64, length=256")
+    {'batch': 64, 'length': 256}
+
+    Raises:
+        ValueError: ``text`` is not comma-separated ``KEY=INT`` pairs.
+    """
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        key, eq, value = part.partition("=")
+        if not part or not eq or not key.strip() or not value.strip().isdigit():
+            raise ValueError("`size` must be comma-separated KEY=INT pairs such as "
+                             f"'batch=64,length=256', got {text!r}.")
+        out[key.strip()] = int(value)
+    return out
+
+
+def _size(kind: str, quick: bool, size: dict[str, int] | None) -> dict[str, int]:
+    """Model ``kind``'s sizes for this run, with ``size``'s overrides."""
+    base = _QUICK.get(kind, SIZES[kind]["quick"]) if quick else SIZES[kind]["full"]
+    if not size:
+        return dict(base)
+    unknown = sorted(set(size) - set(base))
+    if unknown:
+        raise ValueError(f"`size` keys must be among {sorted(base)} for model {kind!r}, "
+                         f"got {unknown}.")
+    for key, value in size.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`size` values must be ints >= 1, got {key}={value!r}.")
+    return {**base, **size}
 
 
 def _gpu_peak_mib(fn: Callable[[], Any]) -> float | None:
@@ -159,7 +199,8 @@ def _table(entries: dict[str, dict[str, Any]]) -> str:
 def run(models: Sequence[str] | None = None, quick: bool = False,
         variants: Sequence[str] = VARIANTS, out: str | None = None,
         log: Callable[[str], None] = print, rounds: int | None = None,
-        steps: int | None = None, memory: bool = True) -> dict[str, Any]:
+        steps: int | None = None, memory: bool = True,
+        size: dict[str, int] | None = None) -> dict[str, Any]:
     """Runs the suite and returns its figures (and writes them under ``out``).
 
     Args:
@@ -176,10 +217,13 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
             of ``AdaptivePrecision``'s default ``statistics_every``, so
             keras_mp's statistics steps are timed at their steady-state rate).
         memory: measure each variant's peak memory (module docstring).
+        size: overrides of the models' sizes (module docstring), e.g.
+            ``{"batch": 64, "length": 256}``; every key must be one of each
+            run model's sizes.
 
     Returns:
         ``{"machine": {...}, "quick": bool, "rounds": int, "steps": int,
-        "results": {model: {variant: {...}}}, "skipped": {model: {variant:
+        "sizes": {model: {name: int}}, "results": {model: {variant: {...}}}, "skipped": {model: {variant:
         reason}}, "missing": {model: reason}, "tables": {model: markdown},
         "seconds": float}``; each variant has ``cpu`` and ``wall``
         (``median``, ``spread``, ``min``, ``max``, ``samples``, s per step),
@@ -201,6 +245,7 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
     for m in models:
         if m not in MODELS:
             raise ValueError(f"`models` must be among {MODELS}, got {m!r}.")
+    sizes = {m: _size(m, quick, size) for m in models}
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"`variants` must be among {VARIANTS}, got {unknown}.")
@@ -232,7 +277,7 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
             absent[kind] = missing(kind)
             log(f"[{kind}] skipped: {absent[kind]}")
             continue
-        size = _QUICK.get(kind, SIZES[kind]["quick"]) if quick else SIZES[kind]["full"]
+        size = sizes[kind]
         build, data = get_model(kind, size, steps)
         small = get_model(kind, size, 1, rows=8)[1]
         log(f"[{kind}] building {len(variants)} variants ({size}), "
@@ -270,6 +315,7 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
     seconds = time.perf_counter() - started
     log(f"keras-mp bench{' --quick' if quick else ''}: {seconds:.0f} s")
     report = {"machine": machine, "quick": quick, "rounds": rounds, "steps": steps,
+              "sizes": sizes,
               "results": results, "skipped": skipped, "missing": absent, "tables": tables,
               "seconds": seconds}
     if out is not None:
@@ -423,10 +469,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--size", default=None)
     args = parser.parse_args(argv)
     run(models=None if args.models is None else [m for m in args.models.split(",") if m],
         quick=args.quick, out=args.out, rounds=args.rounds, steps=args.steps,
-        variants=[v for v in args.variants.split(",") if v], memory=not args.no_memory)
+        variants=[v for v in args.variants.split(",") if v], memory=not args.no_memory,
+        size=None if args.size is None else parse_size(args.size))
 
 
 if __name__ == "__main__":

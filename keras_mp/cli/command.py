@@ -123,7 +123,8 @@ def _bench(args: argparse.Namespace) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()] \
         if args.variants else suite.VARIANTS
     suite.run(models=models, quick=args.quick, out=args.out, rounds=args.rounds,
-              steps=args.steps, variants=variants, memory=not args.no_memory)
+              steps=args.steps, variants=variants, memory=not args.no_memory,
+              size=None if args.size is None else suite.parse_size(args.size))
     return 0
 
 
@@ -201,6 +202,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--models", default=None,
                        help="comma-separated, among mlp, cnn, transformer, gpt2 (needs "
                             "keras-hub), resnet (default: all; with --quick: mlp,transformer)")
+    bench.add_argument("--size", default=None,
+                       help="override the models' sizes, e.g. batch=64,length=256 (keys: "
+                            "batch for all; features, width, depth for mlp; side, filters "
+                            "for cnn; length, dim, blocks for transformer and gpt2; side for "
+                            "resnet)")
     bench.add_argument("--no-memory", action="store_true",
                        help="do not measure each variant's peak memory")
     bench.add_argument("--out", default=None, help="folder for bench.json and bench.png")

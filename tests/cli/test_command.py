@@ -78,8 +78,9 @@ def test_info_shows_the_measured_execution_mode(capsys):
 def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     variants = "keras_float32,keras_float32_xla,keras_mp"
     assert cli.main(["bench", "--quick", "--models", "mlp", "--variants", variants,
-                     "--steps", "5", "--out", str(tmp_path)]) == 0
+                     "--steps", "5", "--size", "batch=64", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["sizes"]["mlp"] == dict(batch=64, features=512, width=1024, depth=3)
     assert report["steps"] >= 5 and report["rounds"] >= 5
     assert report["machine"]["cpu"] and report["machine"]["keras_mp"]
     mlp = report["results"]["mlp"]
@@ -113,6 +114,10 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     (["bench", "--models", "vgg"], "models"),
     (["bench", "--variants", "keras_int8"], "variants"),
     (["bench", "--rounds", "3"], "rounds"),
+    (["bench", "--size", "batch"], "size"),
+    (["bench", "--size", "batch=-1"], "size"),
+    (["bench", "--models", "mlp", "--size", "length=256"], "size"),
+    (["bench", "--models", "mlp", "--size", "batch=0"], "size"),
     (["demo", "--epochs", "0"], "epochs"),
 ])
 def test_bad_arguments_are_one_clear_line(argv, message, capsys):
