@@ -62,6 +62,7 @@ NO_ARGUMENTS = {
     "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
     "device.memory.process_rss", "device.memory.process_peak_rss", "device.memory.step_device",
+    "device.memory.release_free_heap",
     "fused.layers.fused_activation",  # a lookup: None for anything without a fused kernel
     "fused.shared_matches.sharing", "fused.shared_matches.active",
     "fused.shared_matches.take",  # a lookup by identity: None for anything not left there
@@ -460,6 +461,8 @@ CASES = [
     ("device.memory.allocator", lambda: memory.allocator(0), TypeError, "`device`"),
     ("device.memory.reset_peak", lambda: memory.reset_peak(0), TypeError, "`device`"),
     ("device.memory.footprint", lambda: memory.footprint(0), TypeError, "`device`"),
+    ("device.memory.released_after_first_call", lambda: memory.released_after_first_call(3),
+     TypeError, "`fn`"),
     ("adaptive.probe.after", lambda: probe.after((x2,), ["tensor"]), TypeError, "`deps`"),
     ("execution.step_trial.StepTrial",
      lambda: step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 1.05, print,

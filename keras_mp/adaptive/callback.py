@@ -68,6 +68,7 @@ from keras_mp.adaptive.hooks import Hooks
 from keras_mp.adaptive.policy import AdaptivePolicy
 from keras_mp.adaptive.state import PrecisionState, attached
 from keras_mp.adaptive.stats import IntervalStats, LayerStatistics
+from keras_mp.device import memory
 from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
@@ -338,7 +339,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
                         opt.statistics_sink = sink if forward else None
                     with hooks.recording(forward=forward, probe=probe):
                         return fn(*args, **kwargs)
-                return call
+                # Its first call traces and compiles: the heap it freed goes back.
+                return memory.released_after_first_call(call)
 
             plain = variant(False, False)
             stats = variant(True, False)

@@ -16,6 +16,18 @@ step's tensors peaked at 1.6-1.9 GB in the allocator while the process held
 2.9 GB; the whole step compiled by XLA beside it added 2.1 GB of resident
 memory, which the process never gave back.
 
+Tracing and compiling a train function (TensorFlow's graph optimisation,
+its kernels, XLA's compilation) mallocs memory and frees most of it again,
+but glibc's allocator keeps the freed pages resident: keras-mp traces more
+train functions than Keras (the execution trial's modes, the statistics and
+probe steps), and each first call left 90-140 MiB of free heap in the
+process, which the next step's tensors then came on top of. So keras-mp
+hands those pages back (:func:`release_free_heap`, glibc's
+``malloc_trim``) after each first call of a train function it made
+(:func:`released_after_first_call`). Same Transformer, ``fit`` for 2 x 10
+steps with a statistics step at call 20: peak 3780 MiB without, 3544 with
+(Keras ``mixed_bfloat16``: 3465-3562).
+
 Example:
     >>> from keras_mp.device import memory
     >>> rss = memory.process_rss()
@@ -27,12 +39,17 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
 __all__ = ["process_rss", "process_peak_rss", "allocator", "reset_peak", "step_device",
-           "footprint"]
+           "footprint", "release_free_heap", "released_after_first_call"]
 
 
 def process_rss() -> int | None:
@@ -105,3 +122,49 @@ def footprint(device: str | None = None) -> int | None:
         return process_rss()
     stats = allocator(device)
     return None if stats is None else stats[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+def release_free_heap() -> bool:
+    """Hands the C heap's free pages back to the system (glibc's
+    ``malloc_trim(0)``); False where the C library has no such call.
+
+    >>> release_free_heap() in (True, False)
+    True
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def released_after_first_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, calling :func:`release_free_heap` once, after its first call
+    returns (a new train function traces and compiles on its first call).
+
+    >>> calls = []
+    >>> f = released_after_first_call(lambda x: calls.append(x) or x)
+    >>> f(1), f(2), calls
+    (1, 2, [1, 2])
+    """
+    if not callable(fn):
+        raise TypeError(f"`fn` must be callable, got {type(fn).__name__}.")
+    first = [True]
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if first[0]:
+            first[0] = False
+            release_free_heap()
+        return out
+    return call
