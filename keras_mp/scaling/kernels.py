@@ -196,17 +196,22 @@ def _unscale_check_kernel(grads, scale):
     return _fused(grads, scale, unscale=True, stats=False)
 
 
-# The statistics are many elementwise ops and reductions per tensor: XLA
-# fuses them into a few loops, and wins on CPU too (unscale+statistics of a
-# 4x512 MLP's gradients on the 2-core AMX Xeon: 4.9 ms vs 6.1 ms as a TF graph,
-# median of 7 interleaved rounds of process CPU time), unlike the bare
-# unscale-and-check, which XLA:CPU runs slower than TF's parallel per-tensor ops.
-@xla.jit("elementwise")
+# The statistics are many elementwise ops and reductions per tensor, over the
+# whole gradient list: one computation, compiled by XLA where multi-tensor
+# kernels are (GPU/TPU), a TensorFlow graph on CPU. XLA:CPU was at most a little
+# faster (unscale+statistics of a 4x512 MLP's gradients on a 2-core AMX Xeon:
+# 4.9 ms vs 6.1 ms; of a 2-block d=512 Transformer's 34 gradients on a 2-core
+# AMD EPYC: 19.2 vs 19.5 ms CPU, medians of 7 interleaved rounds), on one step
+# in 20, but compiling that one large module held ~50 MiB more in the process
+# and raised a training run's peak memory by as much again (the same
+# Transformer, T=256, batch 64: statistics step +359 MiB compiled, +139-259 as
+# a graph).
+@xla.jit("multi_tensor")
 def _stats_kernel(grads, scale):
     return _fused(grads, scale, unscale=False, stats=True)[1]
 
 
-@xla.jit("elementwise")
+@xla.jit("multi_tensor")
 def _unscale_stats_kernel(grads, scale):
     return _fused(grads, scale, unscale=True, stats=True)
 
