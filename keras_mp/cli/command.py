@@ -205,8 +205,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", default=None,
                        help="override the models' sizes, e.g. batch=64,length=256 (keys: "
                             "batch for all; features, width, depth for mlp; side, filters "
-                            "for cnn; length, dim, blocks for transformer and gpt2; side for "
-                            "resnet)")
+                            "for cnn; length, dim, blocks for transformer and gpt2; "
+                            "vocabulary for gpt2; side for resnet)")
     bench.add_argument("--no-memory", action="store_true",
                        help="do not measure each variant's peak memory")
     bench.add_argument("--out", default=None, help="folder for bench.json and bench.png")
