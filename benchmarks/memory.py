@@ -22,8 +22,10 @@ at the end:
   TensorFlow, Keras and keras-mp and building the data, before the model:
   the same for every variant.
 
-Memory does not depend on how busy the CPU is, so up to ``parallel``
-variants are measured at once.
+Up to ``parallel`` variants are measured at once. How busy the cores are
+changes the peak a little (a process alone runs more ops at once: a
+Transformer step's process peaked up to 200 MiB higher alone than beside
+another), so variants compared with each other run side by side.
 
 Run one variant: ``python -m benchmarks.memory --child '{"kind": "mlp", ...}'``.
 

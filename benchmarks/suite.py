@@ -43,8 +43,9 @@ Memory (``memory`` in the results, the ``peak MiB`` column): each variant's
 peak resident memory, measured after the timing in a fresh process per
 variant that repeats the variant's warm-up and one round (``--quick``: the
 warm-up alone, which holds keras_mp's execution trial and first statistics
-step; :mod:`benchmarks.memory` says why a fresh process), two at a time; on a
-GPU also the device allocator's peak. ``--quick`` measures ``keras_mp`` and
+step; :mod:`benchmarks.memory` says why a fresh process), two at a time,
+``keras_mp`` side by side with the Keras one-liner of its compute dtype (the
+same load on the cores for both); on a GPU also the device allocator's peak. ``--quick`` measures ``keras_mp`` and
 the Keras one-liner of its compute dtype (``keras_float32`` where that one
 was not timed); the full bench every timed variant; ``--no-memory`` none.
 
@@ -386,11 +387,15 @@ def _same_dtype_keras(entry: dict[str, Any]) -> str:
 def _add_memory(kind, size, steps, entries, quick, log) -> None:
     """Each variant's peak memory, a fresh process each (benchmarks.memory)."""
     names = list(entries)
-    if quick and "keras_mp" in entries:
-        # keras_mp and the one-liner it is held to, one pair of processes
-        # side by side (keras_float32 where that one-liner was not timed).
+    if "keras_mp" in entries:
+        # keras_mp and the one-liner it is held to run first, as one pair of
+        # processes side by side (keras_float32 where that one-liner was not
+        # timed): a process alone on the cores runs more ops at once and
+        # peaked up to 200 MiB higher than the same one beside another.
+        # --quick measures that pair alone.
         ref = _same_dtype_keras(entries["keras_mp"])
-        names = [ref if ref in entries else "keras_float32", "keras_mp"]
+        pair = [ref if ref in entries else "keras_float32", "keras_mp"]
+        names = pair + ([] if quick else [v for v in names if v not in pair])
     t0 = time.perf_counter()
     # The warm-up epoch holds keras_mp's trial and first statistics step; the
     # full bench adds one round's epoch, --quick does not.
