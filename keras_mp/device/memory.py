@@ -25,8 +25,9 @@ process, which the next step's tensors then came on top of. So keras-mp
 hands those pages back (:func:`release_free_heap`, glibc's
 ``malloc_trim``) after each first call of a train function it made
 (:func:`released_after_first_call`). Same Transformer, ``fit`` for 2 x 10
-steps with a statistics step at call 20: peak 3780 MiB without, 3544 with
-(Keras ``mixed_bfloat16``: 3465-3562).
+steps with a statistics step at call 15 or 20, each process beside another:
+peak 3614-3740 MiB with the release, 3780-3956 without (Keras
+``mixed_bfloat16``: 3465-3563).
 
 Example:
     >>> from keras_mp.device import memory
