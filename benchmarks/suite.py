@@ -45,8 +45,8 @@ variant that repeats the variant's warm-up and one round (``--quick``: the
 warm-up alone, which holds keras_mp's execution trial and first statistics
 step; :mod:`benchmarks.memory` says why a fresh process), two at a time,
 ``keras_mp`` side by side with the Keras one-liner of its compute dtype (the
-same load on the cores for both); on a GPU also the device allocator's peak. ``--quick`` measures ``keras_mp`` and
-the Keras one-liner of its compute dtype (``keras_float32`` where that one
+same load on the cores for both); on a GPU also the device allocator's
+peak. ``--quick`` measures ``keras_mp`` and the Keras one-liner of its compute dtype (``keras_float32`` where that one
 was not timed); the full bench every timed variant; ``--no-memory`` none.
 
 Sizes: ``size`` (``--size batch=64,length=256``) overrides the named sizes
@@ -190,7 +190,8 @@ def _table(entries: dict[str, dict[str, Any]]) -> str:
     mem = (entries.get("keras_mp") or {}).get("memory_vs_keras")
     if mem:
         base_mib = next(e["memory"] for e in entries.values() if e.get("memory"))
-        note += (f" Peak memory (each variant alone in a fresh process, the TensorFlow "
+        note += (f" Peak memory (each variant in a fresh process of its own, keras_mp's beside "
+                 f"`{mem['variant']}`'s, the TensorFlow "
                  f"runtime's ~{base_mib.get('baseline_rss_mib', 0):.0f} MiB included): "
                  f"keras_mp {mem['ratio']:.2f}x `{mem['variant']}`.")
     return "\n".join(lines) + (f"\n\nBest Keras one-liner: `{best_cpu}` by CPU time, "
@@ -224,8 +225,8 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
 
     Returns:
         ``{"machine": {...}, "quick": bool, "rounds": int, "steps": int,
-        "sizes": {model: {name: int}}, "results": {model: {variant: {...}}}, "skipped": {model: {variant:
-        reason}}, "missing": {model: reason}, "tables": {model: markdown},
+        "sizes": {model: {name: int}}, "results": {model: {variant:
+        {...}}}, "skipped": {model: {variant: reason}}, "missing": {model: reason}, "tables": {model: markdown},
         "seconds": float}``; each variant has ``cpu`` and ``wall``
         (``median``, ``spread``, ``min``, ``max``, ``samples``, s per step),
         ``vs_float32`` and ``vs_best_keras`` (``{"cpu": x, "wall": x}``),

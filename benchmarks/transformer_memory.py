@@ -7,8 +7,8 @@ T=256, d=512, 8 heads, 2 post-norm blocks, a float32 10-way head; Adam;
 alone in a fresh process (TensorFlow's CPU allocator never gives memory
 back, so variants sharing a process would inherit each other's regions; see
 :mod:`benchmarks.memory`), ``parallel`` at a time (in the order of
-``variants``, so neighbours share the cores alike), ``repeats`` times each; the figure is the process's
-peak resident memory (Linux ``VmHWM``, MiB), median and spread over the
+``variants``, so neighbours share the cores alike), ``repeats`` times each;
+the figure is the process's peak resident memory (Linux ``VmHWM``, MiB), median and spread over the
 repeats, and the peak of TensorFlow's allocator.
 
 Variants:
