@@ -6,9 +6,11 @@ executable is never freed, so variants trained one after another in one
 process would each start from what the earlier ones left, and a process's
 peak only ever rises. Each variant therefore runs alone in a new Python
 process (:func:`measure`), the same way the timing runs it: the same model,
-data, the same two single steps (:func:`benchmarks.variants.first_steps`), then ``epochs`` epochs (the warm-up epoch, which for
-keras_mp holds its measured choice of execution mode and its first
-statistics step, and in the full bench one timed round's). The figures, read
+data, the same two single steps (:func:`benchmarks.variants.first_steps`),
+then ``epochs`` epochs: the warm-up epoch of ``warmup`` steps (``steps``
+when not given), which for keras_mp holds its measured choice of execution
+mode and its first statistics step, and in the full bench one timed round's
+of ``steps``. The figures, read
 at the end:
 
 * ``peak_rss_mib``: the process's peak resident memory (Linux ``VmHWM``),
@@ -70,8 +72,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     if first is not None:
         train(1, first)
         train(1, first)
-    for _ in range(spec["epochs"]):
-        train()
+    for epoch in range(spec["epochs"]):
+        train(spec.get("warmup", spec["steps"]) if epoch == 0 else spec["steps"])
     del tf
     allocator = memory.allocator()
     return {"peak_rss_mib": memory.process_peak_rss() / 2**20,
@@ -81,8 +83,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def measure(specs: Sequence[dict[str, Any]], parallel: int = 2,
             timeout: float = 900.0) -> list[dict[str, Any]]:
-    """Runs each spec (``kind``, ``size``, ``variant``, ``steps``, ``epochs``)
-    in a process of its own, ``parallel`` at a time; returns, per spec, the
+    """Runs each spec (``kind``, ``size``, ``variant``, ``steps``, ``epochs``,
+    optionally ``warmup``) in a process of its own, ``parallel`` at a time; returns, per spec, the
     :data:`FIELDS` in MiB, or ``{"error": message}`` where its process failed."""
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise ValueError(f"`parallel` must be an int >= 1, got {parallel!r}.")

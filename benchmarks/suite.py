@@ -22,11 +22,12 @@ Every variant runs the same number of training steps per round (one
 ``model.fit`` epoch over a ``tf.data`` dataset, 20 steps by default: the
 ``AdaptivePrecision`` default gathers statistics on one call in 20, so every
 round of keras_mp holds exactly one statistics step, at its steady-state
-rate); after a warm-up (two single steps, on 8 rows, or on full batches for
-the ``*_xla`` variants, which XLA compiles per shape, none for ``keras_mp``,
-:func:`benchmarks.variants.first_steps`; then one epoch: tracing, XLA
-compilation, keras_mp's measured choice of graph or XLA and the first
-statistics step, all before timing), the rounds are interleaved across
+rate; ``--quick``: 6 rounds of 10 steps, every other one holding it); after a
+warm-up (two single steps, on 8 rows, or on full batches for the ``*_xla``
+variants, which XLA compiles per shape, none for ``keras_mp``,
+:func:`benchmarks.variants.first_steps`; then one epoch of at least
+:data:`WARMUP_CALLS` steps: tracing, XLA compilation, keras_mp's measured
+choice of graph or XLA and the first statistics step, all before timing), the rounds are interleaved across
 variants and timed by process CPU time and by wall time. Each figure is the
 median over the rounds with its spread (max - min), per training step.
 keras_mp's decisions (one per 100 calls) fall inside the rounds as they
@@ -46,8 +47,17 @@ warm-up alone, which holds keras_mp's execution trial and first statistics
 step; :mod:`benchmarks.memory` says why a fresh process), two at a time,
 ``keras_mp`` side by side with the Keras one-liner of its compute dtype (the
 same load on the cores for both); on a GPU also the device allocator's
-peak. ``--quick`` measures ``keras_mp`` and the Keras one-liner of its compute dtype (``keras_float32`` where that one
-was not timed); the full bench every timed variant; ``--no-memory`` none.
+peak. ``--quick`` measures ``keras_mp`` and the Keras one-liner of its
+compute dtype (``keras_float32`` where that one was not timed); the full
+bench every timed variant; ``--no-memory`` none.
+
+``--quick`` with no ``--variants`` leaves out the Keras one-liners of a 16-bit
+dtype this device has no hardware support for (``keras-mp info``; float16 on
+most CPUs), with the reason in ``skipped``: they are never the best one-liner
+there (Keras's ``mixed_float16`` on a 2-core AMD EPYC without float16 units:
+0.45x and 0.77x the best one-liner, with and without XLA, on the quick
+Transformer; 61-439x slower than float32 on an AMX Xeon), and leaving them out
+took a quick run there from 234 to 191 s. The full bench times them all.
 
 Sizes: ``size`` (``--size batch=64,length=256``) overrides the named sizes
 of every model run (:data:`benchmarks.models.SIZES`: ``batch`` for all,
@@ -73,14 +83,18 @@ from .models import get as get_model
 from .variants import KERAS_VARIANTS, VARIANTS, add_probe_cost, dtype_counts, first_steps
 from .variants import make as make_variant
 
-__all__ = ["MODELS", "QUICK_MODELS", "VARIANTS", "KERAS_VARIANTS", "parse_size", "run",
-           "main"]
+__all__ = ["MODELS", "QUICK_MODELS", "VARIANTS", "KERAS_VARIANTS", "parse_size",
+           "quick_left_out", "run", "main"]
 
 #: What ``--quick`` runs when no model is named.
 QUICK_MODELS: tuple[str, ...] = ("mlp", "transformer")
 
 # (steps per round, rounds)
-_SCHEDULE = {"full": (20, 7), "quick": (20, 5)}
+_SCHEDULE = {"full": (20, 7), "quick": (10, 6)}
+#: Steps of the warm-up epoch (at least; ``steps`` when more): keras_mp's
+#: measured choice of execution mode (its first 18 calls) and its first
+#: statistics step (call 20) fall in it.
+WARMUP_CALLS = 20
 #: --quick sizes (smaller than :data:`benchmarks.models.SIZES`' own quick ones:
 #: the whole quick bench fits in 3 minutes on 2 cores).
 _QUICK = {"mlp": dict(batch=128, features=512, width=1024, depth=3),
@@ -108,6 +122,28 @@ def parse_size(text: str) -> dict[str, int]:
             raise ValueError("`size` must be comma-separated KEY=INT pairs such as "
                              f"'batch=64,length=256', got {text!r}.")
         out[key.strip()] = int(value)
+    return out
+
+
+def quick_left_out(variants: Sequence[str], hardware: dict[str, bool]) -> dict[str, str]:
+    """The variants ``--quick`` leaves out when none are named: the Keras
+    one-liners of a 16-bit dtype that ``hardware`` (``keras_mp.device.profile().hardware``)
+    does not support, each with the reason.
+
+    >>> sorted(quick_left_out(["keras_float32", "keras_mixed_float16_xla", "keras_mp"],
+    ...                       {"bfloat16": True, "float16": False}))
+    ['keras_mixed_float16_xla']
+    >>> quick_left_out(["keras_mixed_float16"], {"bfloat16": True, "float16": True})
+    {}
+    """
+    out = {}
+    for v in variants:
+        if not v.startswith("keras_mixed_"):
+            continue
+        dtype = v[len("keras_mixed_"):].removesuffix("_xla")
+        if not hardware.get(dtype, False):
+            out[v] = (f"not timed by --quick: {dtype} has no hardware support on this device "
+                      f"(keras-mp info); the full bench, or --variants, times it")
     return out
 
 
@@ -199,7 +235,7 @@ def _table(entries: dict[str, dict[str, Any]]) -> str:
 
 
 def run(models: Sequence[str] | None = None, quick: bool = False,
-        variants: Sequence[str] = VARIANTS, out: str | None = None,
+        variants: Sequence[str] | None = None, out: str | None = None,
         log: Callable[[str], None] = print, rounds: int | None = None,
         steps: int | None = None, memory: bool = True,
         size: dict[str, int] | None = None) -> dict[str, Any]:
@@ -211,7 +247,8 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
             missing (``gpt2`` without KerasHub) is skipped with the reason.
         quick: fewer models, smaller shapes (under 3 minutes on 2 cores).
         variants: among :data:`VARIANTS`; ``keras_float32`` is always run (it
-            is the baseline of every ratio).
+            is the baseline of every ratio). None: all of them, but with
+            ``quick`` those of :func:`quick_left_out`.
         out: a folder for ``bench.json`` and ``bench.png``, or None.
         log: where progress lines go.
         rounds: interleaved timed rounds (>= 5); 5 in quick mode, 7 otherwise.
@@ -248,6 +285,8 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
         if m not in MODELS:
             raise ValueError(f"`models` must be among {MODELS}, got {m!r}.")
     sizes = {m: _size(m, quick, size) for m in models}
+    named = variants is not None
+    variants = list(VARIANTS if variants is None else variants)
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"`variants` must be among {VARIANTS}, got {unknown}.")
@@ -269,6 +308,10 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
 
     prof = device.profile()
     machine = _machine(prof, execution.profile(steps=not quick))
+    left_out = quick_left_out(variants, prof.hardware) if quick and not named else {}
+    variants = [v for v in variants if v not in left_out]
+    for v, why in left_out.items():
+        log(f"{v}: {why}")
     results: dict[str, dict[str, Any]] = {}
     skipped: dict[str, dict[str, str]] = {}
     absent: dict[str, str] = {}
@@ -285,6 +328,7 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
         log(f"[{kind}] building {len(variants)} variants ({size}), "
             f"{steps} steps x {rounds} rounds each")
         made, skipped[kind] = _warm_up(kind, variants, build, data, small, steps, log)
+        skipped[kind].update(left_out)
         t0 = time.perf_counter()
         timings = interleaved_clocks({v: m[0] for v, m in made.items()}, rounds=rounds,
                                      warmup=0, per_call=steps)
@@ -359,7 +403,7 @@ def _warm_up(kind, variants, build, data, small, steps, log):
                 # Warm-up, one epoch: for keras_mp, its measured choice of
                 # execution mode (the first calls) and the first statistics
                 # step (call 20) are traced here.
-                train()
+                train(max(steps, WARMUP_CALLS))
             if v == "keras_float32":   # the reference for the *_xla variants' batch step
                 base["a batch"] = step_time(train, data)
         except Exception as e:  # noqa: BLE001 - e.g. XLA cannot compile this variant
@@ -400,8 +444,8 @@ def _add_memory(kind, size, steps, entries, quick, log) -> None:
     t0 = time.perf_counter()
     # The warm-up epoch holds keras_mp's trial and first statistics step; the
     # full bench adds one round's epoch, --quick does not.
-    specs = [dict(kind=kind, size=size, variant=v, steps=steps, epochs=1 if quick else 2)
-             for v in names]
+    specs = [dict(kind=kind, size=size, variant=v, steps=steps, epochs=1 if quick else 2,
+                  warmup=max(steps, WARMUP_CALLS)) for v in names]
     for v, figures in zip(names, memory_lib.measure(specs)):
         if "error" in figures:
             log(f"[{kind}] {v}: memory not measured ({figures['error']})")
@@ -472,14 +516,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--models", default=None)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=None)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--size", default=None)
     args = parser.parse_args(argv)
     run(models=None if args.models is None else [m for m in args.models.split(",") if m],
         quick=args.quick, out=args.out, rounds=args.rounds, steps=args.steps,
-        variants=[v for v in args.variants.split(",") if v], memory=not args.no_memory,
+        variants=None if args.variants is None else [v for v in args.variants.split(",") if v],
+        memory=not args.no_memory,
         size=None if args.size is None else parse_size(args.size))
 
 

@@ -121,7 +121,7 @@ def _bench(args: argparse.Namespace) -> int:
     models = None if args.models is None else [
         m.strip() for m in args.models.split(",") if m.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()] \
-        if args.variants else suite.VARIANTS
+        if args.variants else None
     suite.run(models=models, quick=args.quick, out=args.out, rounds=args.rounds,
               steps=args.steps, variants=variants, memory=not args.no_memory,
               size=None if args.size is None else suite.parse_size(args.size))
@@ -194,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="comma-separated subset of keras_float32, keras_float32_xla, "
                             "keras_mixed_bfloat16, keras_mixed_bfloat16_xla, "
                             "keras_mixed_float16, keras_mixed_float16_xla, keras_mp "
-                            "(default: all)")
+                            "(default: all; --quick leaves out the Keras one-liners of a "
+                            "16-bit dtype this device has no hardware support for)")
     bench.add_argument("--rounds", type=int, default=None,
                        help="interleaved timed rounds, >= 5 (default: 5 quick, 7 full)")
     bench.add_argument("--steps", type=int, default=None,

@@ -150,3 +150,22 @@ def test_bench_memory_processes_ignore_the_working_folder(tmp_path, monkeypatch)
     (figures,) = memory.measure([spec])
     assert "error" not in figures, figures
     assert figures["peak_rss_mib"] > figures["baseline_rss_mib"] > 0
+
+
+@pytest.mark.parametrize("hardware, left_out", [
+    ({"bfloat16": True, "float16": False},
+     ["keras_mixed_float16", "keras_mixed_float16_xla"]),
+    ({"bfloat16": False, "float16": False},
+     ["keras_mixed_bfloat16", "keras_mixed_bfloat16_xla", "keras_mixed_float16",
+      "keras_mixed_float16_xla"]),
+    ({"bfloat16": True, "float16": True}, []),
+])
+def test_quick_bench_leaves_out_one_liners_of_dtypes_without_hardware(hardware, left_out):
+    from benchmarks import suite
+
+    out = suite.quick_left_out(suite.VARIANTS, hardware)
+    assert sorted(out) == left_out
+    # float32, its XLA one-liner and keras_mp are always timed; each reason
+    # names the dtype and how to time it anyway.
+    for v, why in out.items():
+        assert v.removeprefix("keras_mixed_").removesuffix("_xla") in why and "--variants" in why
