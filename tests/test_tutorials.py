@@ -90,4 +90,8 @@ def test_notebook_runs_in_smoke_mode(path, kernel_env, tmp_path, monkeypatch):
     client.execute()
     text = _text(nb)
     for pattern in EXPECTED[path.name]:
-        assert re.search(pattern, text), f"{path.name}: no {pattern!r} in its output"
+        # On a failure, the output lines that start like the pattern (the
+        # whole output is too long for pytest to show).
+        near = [ln for ln in text.splitlines() if ln.startswith(pattern.split(":")[0][:12])]
+        assert re.search(pattern, text), \
+            f"{path.name}: no {pattern!r} in its output; lines like it: {near}"
