@@ -38,7 +38,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import keras
 import ml_dtypes
@@ -165,9 +165,9 @@ def _amax_large(x: tf.Tensor) -> tf.Tensor:
     return tf.where(bad, tf.constant(float("inf")), amax)
 
 
-def _by_size(x: tf.Tensor, large: Callable, small: Callable):
-    """``small(x)`` for a tensor of at most :data:`LARGE` elements, else
-    ``large(x)``: also where the size is not known when the step is traced.
+def _is_large(x: tf.Tensor) -> bool:
+    """Whether ``x`` takes the copy-free reductions: more than :data:`LARGE`
+    elements, or a size not known when the step is traced.
 
     A train function's tensors mostly have no static batch size (Keras traces
     it for batches of ``None`` rows). The XLA kernel for all of them gave the
@@ -178,12 +178,7 @@ def _by_size(x: tf.Tensor, large: Callable, small: Callable):
     hold 130 MiB more (495 against 366 MiB of heap).
     """
     size = x.shape.num_elements()
-    return small(x) if size is not None and size <= LARGE else large(x)
-
-
-def _amax_any(x: tf.Tensor) -> tf.Tensor:
-    """:func:`_amax` of a tensor of any size (see :data:`LARGE`)."""
-    return _by_size(x, _amax_large, _amax)
+    return size is None or size > LARGE
 
 
 def _stride(size: int) -> int:
@@ -202,16 +197,12 @@ def _sample(x: tf.Tensor) -> tf.Tensor:
 
 
 def _amax_and_flushed_any(x: tf.Tensor, tiny: float):
-    """:func:`_amax_and_flushed` for a tensor of any size (see :data:`LARGE`
-    and :func:`_by_size`); the fraction is taken on :func:`_sample`."""
+    """:func:`_amax_and_flushed` for a tensor of any size (see
+    :func:`_is_large`); the fraction is taken on :func:`_sample`."""
     limit = tf.constant(tiny, tf.float32)
-
-    def large(t):
-        return _amax_large(t), _flushed_fraction(_sample(t), limit)
-
-    def small(t):   # its size is static here
-        return _amax_and_flushed(t, limit, _stride(t.shape.num_elements()))
-    return _by_size(x, large, small)
+    if _is_large(x):
+        return _amax_large(x), _flushed_fraction(_sample(x), limit)
+    return _amax_and_flushed(x, limit, _stride(x.shape.num_elements()))
 
 
 def _ranges(tensors: Sequence[tf.Tensor], memo: dict | None) -> list[tf.Tensor]:
@@ -227,7 +218,7 @@ def _ranges(tensors: Sequence[tf.Tensor], memo: dict | None) -> list[tf.Tensor]:
         if hit is not None and hit[0] is x:
             out.append(hit[1])
             continue
-        amax = _amax_any(x)
+        amax = _amax_large(x) if _is_large(x) else _amax(x)
         if memo is not None:
             memo[id(x)] = (x, amax)
         out.append(amax)
