@@ -27,9 +27,11 @@ slower mode (:func:`calls_to_decide`). If a mode cannot compile, the same
 batch is rerun as a graph, one warning says so, and the trial goes on
 without that mode.
 
-Memory: a mode's buffers and compiled code stay in the process after the
-trial whether it wins or not (TensorFlow's CPU allocator keeps every region
-it grew, and never frees an XLA:CPU executable). The whole step compiled by
+Memory: once decided, the trial drops the other modes' train functions, so
+that their traces can be freed (on ResNet50V2, 64x64, batch 16, 2-core AMD
+EPYC: 149 MiB of heap handed back when the update under XLA won over the
+graph). What a mode's first call grew stays in the process's peak, though,
+and TensorFlow's CPU allocator keeps every region it grew. The whole step compiled by
 XLA holds its own copy of the step's tensors: on a 2-block Transformer (T=256,
 d=512, batch 64, bfloat16, 2-core AMD EPYC) trying it raised the process's
 peak from 2.9 to 5.1 GB, against 3.2 GB for Keras's ``mixed_bfloat16``
@@ -45,6 +47,7 @@ skipped, and one INFO message says so.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import statistics
 import time
@@ -218,6 +221,9 @@ class FirstCallGuard:
             self._fn = self._on_fail()
             out = self._fn(data())
         self._checked = True
+        # Compiled: the fallback (and the graph train function it holds) is
+        # not needed any more.
+        self._on_fail = self._known_failure = None
         return out
 
 
@@ -289,7 +295,7 @@ class StepTrial:
     def __call__(self, iterator):
         rec = self.record
         if rec.decision is not None:
-            return self._fns.get(rec.decision, self._fns["graph"])(iterator)
+            return self._decided(iterator)
         if rec.owner is None:
             rec.owner = id(self)
         if rec.owner != id(self):
@@ -335,7 +341,22 @@ class StepTrial:
         why = (f"median ms per call, CPU / wall, over {PAIRS} interleaved rounds: {times}")
         self._decide(best if speedup[best] >= self._margin else "graph", why)
 
+    def _decided(self, iterator):
+        """The decided mode's call; the first one after the decision drops
+        the other modes (another trial of the record may have decided)."""
+        if len(self._fns) > 1:
+            self._keep_only(self.record.decision)
+        return next(iter(self._fns.values()))(iterator)
+
+    def _keep_only(self, mode: str) -> None:
+        # The other modes' traces and compiled code are never called again:
+        # without a reference they are freed, and their heap is handed back.
+        self._fns = {mode: self._fns.get(mode, self._fns["graph"])}
+        gc.collect()
+        memory.release_free_heap()
+
     def _decide(self, mode: str, why: str) -> None:
         self.record.decision = mode
         _log.info("keras_mp: this model's train step runs %s (%s).", _NAMES.get(mode, mode), why)
         self._on_decision(mode)
+        self._keep_only(mode)

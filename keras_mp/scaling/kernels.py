@@ -128,12 +128,50 @@ def _dense(grads):
 SAMPLE = 65536
 
 
-def _fractions(a, finite, n, scale):
+def _segment_ids(counts: tf.Tensor, total) -> tf.Tensor:
+    """For segments of ``counts`` elements laid end to end, the segment of
+    each element: ``[0, 0, 2]`` for counts ``[2, 0, 1]`` (a one at each
+    segment's start, summed)."""
+    starts = tf.cumsum(counts, exclusive=True)
+    # One slot past the end takes the starts of empty segments at the end.
+    marks = tf.scatter_nd(starts[:, None], tf.ones_like(counts), [total + 1])[:total]
+    return tf.cumsum(marks) - 1
+
+
+def _statistics(g32s: list, u32s: list, scale: tf.Tensor) -> tuple:
+    """The statistics columns of float32 gradients ``g32s`` (unscaled:
+    ``u32s``) at ``scale`` (a scalar or one per tensor).
+
+    The fractions are counted on one vector holding every tensor of up to
+    :data:`SAMPLE` elements and an even-stride sample of each larger one,
+    by segment sums: a fixed number of ops, not some forty per tensor (on
+    ResNet50V2's 270 gradients the statistics trace held 12,144 nodes more
+    than the plain one, and every node costs the process memory). A larger
+    tensor's amax and non-finite flag still see all of it.
+    """
+    n = len(g32s)
+    parts, counts, large = [], [], []
+    for k, g32 in enumerate(g32s):
+        flat = tf.reshape(g32, [-1])
+        size = g32.shape.num_elements()
+        if size is not None and size > SAMPLE:
+            flat = flat[::-(-size // SAMPLE)]
+            large.append(k)
+        parts.append(flat)
+        counts.append(tf.size(flat) if flat.shape.num_elements() is None
+                      else tf.constant(flat.shape.num_elements()))
+    flat = tf.concat(parts, 0)
+    counts = tf.stack(counts)
+    ids = _segment_ids(counts, tf.size(flat))
+    a, finite = tf.abs(flat), tf.math.is_finite(flat)
+    per_element = scale if scale.shape.rank == 0 else tf.gather(scale, ids)
+    n_each = tf.maximum(tf.cast(counts, tf.float32), 1.0)
+
     def frac(mask):
-        return tf.reduce_sum(tf.cast(mask, tf.float32)) / tf.maximum(n, 1.0)
+        return tf.math.unsorted_segment_sum(tf.cast(mask, tf.float32), ids, n) / n_each
 
     nonzero = a > 0.0
-    return (
+    fractions = [
         frac(tf.logical_not(finite)),
         frac(nonzero & (a < _FP16_TINY)),
         frac((a >= _FP16_TINY) & (a < _FP16_MIN_NORMAL)),
@@ -141,51 +179,40 @@ def _fractions(a, finite, n, scale):
         # Compared before unscaling: |g / scale| below 2**-126 is a float32
         # subnormal, which XLA:CPU (and TF's CPU kernels) flush to zero, so
         # testing the quotient would never count anything.
-        frac(nonzero & (a < _BF16_MIN_NORMAL * scale)),
+        frac(nonzero & (a < _BF16_MIN_NORMAL * per_element)),
         frac(tf.equal(a, 0.0)),
-    )
-
-
-def _tensor_stats(g32, u32, scale):
-    size = g32.shape.num_elements()
-    if size == 0:
-        return (tf.constant(0.0),) + _fractions(tf.zeros([0]), tf.zeros([0], tf.bool),
-                                                tf.constant(0.0), scale)
-    if size is None or size <= SAMPLE:
-        a = tf.abs(g32)
-        finite = tf.math.is_finite(g32)
-        n = tf.cast(tf.size(g32), tf.float32)
-        amax = tf.reduce_max(tf.where(finite, tf.abs(u32), 0.0))
-        return (amax,) + _fractions(a, finite, n, scale)
-    stride = -(-size // SAMPLE)
-    gs = tf.reshape(g32, [-1])[::stride]
-    a, finite = tf.abs(gs), tf.math.is_finite(gs)
-    fractions = _fractions(a, finite, tf.cast(tf.size(gs), tf.float32), scale)
-    # Every element: inf * 0 and nan * 0 are nan, so the sum is nan iff one is.
-    any_bad = tf.math.is_nan(tf.reduce_sum(g32 * 0.0))
-    sampled_amax = tf.reduce_max(tf.where(finite, a, 0.0)) / scale
-    amax = tf.where(any_bad, sampled_amax, tf.reduce_max(tf.abs(u32)))
-    nonfinite = tf.maximum(fractions[0], tf.cast(any_bad, tf.float32) / float(size))
-    return (amax, nonfinite) + fractions[1:]
+    ]
+    # max |g| / scale is max |g / scale|: rounding is monotonic.
+    amax = tf.maximum(tf.math.unsorted_segment_max(tf.where(finite, a, 0.0), ids, n),
+                      0.0) / scale
+    if large:
+        amaxes, nonfinite = tf.unstack(amax, n), tf.unstack(fractions[0], n)
+        for k in large:
+            # Every element: inf * 0 and nan * 0 are nan, so the sum is nan iff one is.
+            bad = tf.math.is_nan(tf.reduce_sum(g32s[k] * 0.0))
+            amaxes[k] = tf.where(bad, amaxes[k], tf.reduce_max(tf.abs(u32s[k])))
+            nonfinite[k] = tf.maximum(nonfinite[k], tf.cast(bad, tf.float32)
+                                      / float(g32s[k].shape.num_elements()))
+        amax, fractions[0] = tf.stack(amaxes), tf.stack(nonfinite)
+    return (amax, *fractions)
 
 
 def _fused(grads, scale, *, unscale: bool, stats: bool):
     scale = tf.cast(scale, tf.float32)
-    outs, rows, nonfinite = [], [], []
+    outs, g32s, u32s, nonfinite = [], [], [], []
     for k, g in enumerate(grads):
         g32 = tf.cast(g, tf.float32)
-        s = _at(scale, k)
-        u32 = g32 / s
+        u32 = g32 / _at(scale, k)
         if unscale:
             outs.append(tf.cast(u32, g.dtype))
         if stats:
-            rows.append(_tensor_stats(g32, u32, s))
+            g32s.append(g32)
+            u32s.append(u32)
         else:
             nonfinite.append(tf.reduce_any(tf.logical_not(tf.math.is_finite(g32))))
     if stats:
-        columns = [tf.stack(c) for c in zip(*rows)] if rows else [
-            tf.zeros([0])] * len(STATISTICS)
-        result = tuple(columns)
+        result = _statistics(g32s, u32s, scale) if g32s else \
+            tuple([tf.zeros([0])] * len(STATISTICS))
     else:
         result = tf.stack(nonfinite) if nonfinite else tf.zeros([0], tf.bool)
     return outs, result

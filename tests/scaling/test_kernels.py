@@ -178,3 +178,41 @@ def test_each_kernel_is_one_xla_computation(kernel):
     # Every gradient is a parameter of the one computation, plus the scale.
     entry = hlo[hlo.index("ENTRY"):]
     assert entry.count("parameter(") == len(grads) + 1
+
+
+def test_statistics_of_tensors_of_every_size_and_per_tensor_scales():
+    # Empty tensors, tensors sampled for their fractions (more than SAMPLE
+    # elements; amax and non-finite still see every element), small ones.
+    rng = np.random.default_rng(3)
+    big = rng.normal(size=(300, 400)) * 10.0 ** rng.integers(-9, 6, size=(300, 400))
+    big.flat[big.size - 7] = np.inf  # not on the sample's stride
+    grads = [tf.constant(v, tf.float32) for v in (
+        np.zeros([0]), rng.normal(size=(3, 4)) * 1e-6, big, np.zeros([7]),
+        [np.nan, 1.0, 1e-9], np.zeros([0, 3]))]
+    scales = np.array([2.0, 8.0, 1024.0, 1.0, 4.0, 3.0], np.float32)
+    stats = kernels.gradient_statistics(grads, tf.constant(scales))
+    stride = -(-big.size // kernels.SAMPLE)
+    for i, (g, s) in enumerate(zip(grads, scales)):
+        full = g.numpy()
+        sampled = full.reshape(-1)[::stride] if full.size > kernels.SAMPLE else full
+        expected = _np_stats(sampled, float(s))
+        if full.size > kernels.SAMPLE:
+            # One non-finite element: counted, and amax is the sample's.
+            expected["nonfinite"] = max(expected["nonfinite"], 1.0 / full.size)
+        else:
+            expected["amax"] = _np_stats(full, float(s))["amax"]
+        for name in kernels.STATISTICS:
+            np.testing.assert_allclose(float(getattr(stats, name)[i]), expected[name],
+                                       rtol=1e-5, atol=0, err_msg=f"gradient {i}, {name}")
+
+
+def test_statistics_cost_a_few_graph_nodes_per_gradient():
+    # Every node of a traced step costs the process memory for as long as
+    # the step lives; 270 gradients of ResNet50V2 once took 12,144 nodes.
+    def nodes(count):
+        specs = [tf.TensorSpec([3, 5], tf.bfloat16)] * count
+        fn = tf.function(lambda gs: kernels.unscale_with_statistics(gs, 2.0))
+        graph = fn.get_concrete_function(specs).graph.as_graph_def()
+        return len(graph.node) + sum(len(f.node_def) for f in graph.library.function)
+
+    assert (nodes(60) - nodes(20)) / 40 <= 12
