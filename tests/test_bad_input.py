@@ -113,6 +113,12 @@ CASES = [
     # forward
     ("adaptive.forward.dtype_max", lambda: forward.dtype_max("int8"), ValueError, "`dtype`"),
     ("adaptive.forward.dtype_tiny", lambda: forward.dtype_tiny("fp8"), ValueError, "`dtype`"),
+    ("adaptive.forward.call_statistics", lambda: forward.call_statistics([], [], "int8"),
+     ValueError, "`dtype`"),
+    ("adaptive.forward.finish", lambda: forward.finish(tf.zeros([2, 3]), ["float16"]),
+     ValueError, "`raw` must have shape"),
+    ("adaptive.forward.finish", lambda: forward.finish(tf.zeros([1, 3]), ["int8"]),
+     ValueError, "`dtype`"),
     ("adaptive.forward.layer_statistics", lambda: forward.layer_statistics([], [], "int32"), ValueError,
      "`dtype`"),
     # hooks

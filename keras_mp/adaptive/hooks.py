@@ -157,9 +157,10 @@ class Hooks:
         inputs = forward.floating_tensors((args, kwargs))
         outs = forward.floating_tensors(outputs)
         memo = self._slot().setdefault("ranges", {})
-        vec = forward.layer_statistics(inputs, outs, layer.compute_dtype, memo)
+        vec = forward.call_statistics(inputs, outs, layer.compute_dtype, memo)
         seen = self._slot().setdefault("forward", {})
         seen[index] = vec if index not in seen else forward.combine(seen[index], vec)
+        self._slot().setdefault("dtypes", {})[index] = layer.compute_dtype
 
     def _recorder(self, index: int) -> Callable | None:
         """Where a float8-capable layer's call reports its float8 evidence in
@@ -299,10 +300,13 @@ class Hooks:
             self.call_order = list(self._order)
         if not seen:
             return None, None, probe, backward
-        zeros = tf.zeros([len(forward.FIELDS)])
-        rows = [seen.get(i, zeros) for i in range(len(self.layers))]
-        rows = tf.stack([forward.with_float8(r, f8[i]) if i in f8 else r
-                         for i, r in enumerate(rows)])
+        zeros = tf.zeros([len(forward.RAW_FIELDS)])
+        dtypes = pending.get("dtypes", {})
+        rows = forward.finish(tf.stack([seen.get(i, zeros) for i in range(len(self.layers))]),
+                              [dtypes.get(i, "float32") for i in range(len(self.layers))])
+        if f8:
+            rows = tf.stack([forward.with_float8(r, f8[i]) if i in f8 else r
+                             for i, r in enumerate(tf.unstack(rows))])
         observed = tf.constant([1.0 if i in seen else 0.0 for i in range(len(self.layers))])
         return rows, observed, probe, backward
 
