@@ -3,8 +3,10 @@
 On a statistics step every controlled layer's call is observed (see
 :mod:`keras_mp.adaptive.hooks`): its floating inputs *as the layer received them*
 (after Keras's cast to its compute dtype, so an input that overflowed in the
-cast arrives as inf) and its floating outputs. :func:`layer_statistics`
-reduces them to a few numbers, inside the traced step:
+cast arrives as inf) and its floating outputs. :func:`call_statistics`
+reduces each call to three numbers inside the traced step, and :func:`finish`
+turns those of all layers into these fields at once (:func:`layer_statistics`
+does both for one call):
 
 ==================  ==========================================================
 ``in_amax``         largest ``|input|`` (float32; 0 when one is non-finite).

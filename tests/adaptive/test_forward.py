@@ -82,3 +82,31 @@ def test_unknown_batch_size_gives_the_static_statistics(dtype, rows):
     unknown = _traced(False, x.shape, dtype)(x).numpy()
     np.testing.assert_allclose(unknown, static, rtol=1e-6)
     assert dict(zip(forward.FIELDS, unknown))["out_amax"] == pytest.approx(77.0, rel=1e-2)
+
+
+def test_a_statistics_trace_costs_few_graph_nodes_per_layer():
+    """Every node of a traced step costs the process memory while the trace
+    lives; comparing each layer's amaxes with its dtype's range per call took
+    72 nodes per layer, once per step for all layers (forward.finish) 48."""
+    import keras
+
+    from keras_mp.adaptive.hooks import Hooks
+
+    def nodes(depth):
+        model = keras.Sequential([keras.Input((64,))]
+                                 + [keras.layers.Dense(64, dtype="mixed_bfloat16")
+                                    for _ in range(depth)])
+        hooks = Hooks(model, model.layers)
+
+        @tf.function
+        def step(x):
+            with hooks.recording(forward=True):
+                model(x, training=True)
+                return hooks.take()[0]
+
+        spec = tf.TensorSpec([None, 64], tf.float32)
+        plain = len(tf.function(lambda x: model(x, training=True))
+                    .get_concrete_function(spec).graph.get_operations())
+        return len(step.get_concrete_function(spec).graph.get_operations()) - plain
+
+    assert (nodes(30) - nodes(10)) / 20 <= 55
