@@ -63,3 +63,34 @@ def test_errors(kwargs, name):
     with pytest.raises(ValueError, match=name):
         capabilities.profile(**kwargs)
 
+
+
+def test_a_measurement_that_contradicts_the_hardware_is_repeated(monkeypatch):
+    # Noise once made bfloat16 measure 0.6x float32 on a CPU where it is
+    # 1.2x, and a whole process trained in float32.
+    runs = iter([{"float32": 10.0, "bfloat16": 6.0, "float16": 0.5},
+                 {"float32": 9.0, "bfloat16": 12.0, "float16": 0.4}])
+    calls = []
+
+    def measure(device_type, n, repeats):
+        calls.append(n)
+        return next(runs)
+
+    monkeypatch.setattr(capabilities, "_cache", {})  # the real profile comes back after
+    monkeypatch.setattr(capabilities, "_measure", measure)
+    monkeypatch.setattr(capabilities, "_hardware",
+                        lambda device_type, flags: {"bfloat16": True, "float16": False,
+                                                    "float8": False})
+    p = capabilities.profile("CPU", refresh=True)
+    assert p.fast == ("bfloat16",) and len(calls) == 2
+    assert p.throughput == {"float32": 10.0, "bfloat16": 12.0, "float16": 0.5}
+    # A dtype the hardware supports but that always measures slow (emulated,
+    # no kernel) stays out, after the repeats.
+    calls.clear()
+    monkeypatch.setattr(capabilities, "_hardware",
+                        lambda device_type, flags: {"bfloat16": True, "float16": True,
+                                                    "float8": False})
+    monkeypatch.setattr(capabilities, "_measure", lambda device_type, n, repeats: calls.append(n)
+                        or {"float32": 10.0, "bfloat16": 12.0, "float16": 1.0})
+    p = capabilities.profile("CPU", refresh=True)
+    assert p.fast == ("bfloat16",) and len(calls) == 1 + capabilities._REMEASURE
