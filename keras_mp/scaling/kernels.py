@@ -147,9 +147,10 @@ def _tensor_stats(g32: tf.Tensor, u32: tf.Tensor, scale: tf.Tensor,
 
     The six fractions are counted by one reduction over the six masks
     stacked, with constants shared by all gradients: 35 graph nodes per
-    gradient (unscaling included) where counting each apart took 71 (on ResNet50V2's 270 gradients the statistics trace held
-    12,144 nodes more than the plain one, and every node of a traced step
-    costs the process memory while it lives). Counting all gradients at once
+    gradient (unscaling included) where counting each apart took 71 (on
+    ResNet50V2's 270 gradients the statistics trace held 12,144 nodes more
+    than the plain one, and every node of a traced step costs the process
+    memory while it lives). Counting all gradients at once
     by segment sums took fewer nodes still, but ran 2.7x slower on a 2-core
     AMD EPYC (TensorFlow's CPU segment sums run on one thread).
     """
