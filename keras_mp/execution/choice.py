@@ -22,7 +22,7 @@ from typing import Any
 import keras
 
 from keras_mp import _installed
-from keras_mp.device import xla
+from keras_mp.device import memory, xla
 from keras_mp.execution import fused_update, micro_benchmark, placement, step_trial
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
@@ -114,7 +114,7 @@ def _convolution_reason(model: keras.Model) -> str | None:
     ResNet50V2 4x slower on an AMD EPYC with AVX512-BF16. On that EPYC (2
     cores), MobileNetV3Small's first 12 steps (float16, 32x32, batch 16) took
     52 s of wall time with the whole step in the trial, 23 s without it."""
-    if micro_benchmark.profile(steps=False).device_type != "CPU":
+    if xla.current_device_type() != "CPU":
         return None
     found = next((layer for layer in model._flatten_layers(include_self=False)
                   if isinstance(layer, _CONVOLUTIONS)), None)
@@ -178,8 +178,10 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     modes = ["graph"]
     if _update_only_reason(model) is None and "xla_update" not in failed:
         modes.append("xla_update")
+    # The convolution rule first: it needs no measurement (the matmul one
+    # compiles XLA matmuls in every candidate dtype, memory the process keeps).
     if _graph_only_reason(model) is None and "xla" not in failed \
-            and _slow_matmul_reason(model) is None and _convolution_reason(model) is None:
+            and _convolution_reason(model) is None and _slow_matmul_reason(model) is None:
         modes.append("xla")
     return tuple(modes)
 
@@ -334,7 +336,7 @@ def _make_train_function(model: keras.Model, state: _State,
         if chosen != "graph":
             fn = step_trial.FirstCallGuard(model, fn, _fall_back(model, state, chosen), ENV_VAR,
                                            known_failure=lambda: chosen in state.failed)
-        model.train_function = fn
+        model.train_function = memory.released_after_first_call(fn)
         return model.train_function
 
     state.original = original

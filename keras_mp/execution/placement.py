@@ -21,6 +21,7 @@ import threading
 import keras
 import tensorflow as tf
 
+from keras_mp import _gradients
 from keras_mp.device import xla
 from keras_mp.execution.micro_benchmark import _check_device_type, _interleaved, profile
 from keras_mp.fused import layers as fused_layers
@@ -38,10 +39,25 @@ def compute_dtypes(model: keras.Model) -> set[str]:
                 "float32"}
 
 
+def _places_matmuls(model: keras.Model) -> bool:
+    """Whether a layer of ``model`` runs its matmuls where
+    :func:`keras_mp.device.xla.uses_xla` ``("matmul")`` says (keras_mp's fused
+    ``Dense`` and ``MultiHeadAttention``)."""
+    return any(isinstance(layer, (fused_layers.Dense, fused_layers.MultiHeadAttention))
+               for layer in model._flatten_layers(include_self=False))
+
+
 def apply(model: keras.Model) -> None:
     """Points the fused layers' matmuls at the faster of graph and XLA for
     the narrowest dtype the model computes in (measured, not from flags),
-    and, where matmuls stay outside XLA, their epilogues (:func:`epilogue`)."""
+    and, where matmuls stay outside XLA, their epilogues (:func:`epilogue`).
+
+    A model without such layers measures nothing: the measurement compiles
+    XLA matmuls in every candidate dtype, and the process keeps that memory
+    (:func:`keras_mp.execution.micro_benchmark.profile`).
+    """
+    if not _places_matmuls(model):
+        return
     prof = profile(steps=False)
     dtypes = compute_dtypes(model)
     dtype = next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
@@ -123,6 +139,7 @@ def epilogue(activation: str, dtype: str = "bfloat16", device_type: str | None =
 
         times = _interleaved({"xla": make(kops.bias_activation),
                               "tf": make(kops.bias_activation_reference)}, rounds, 3)
+        _gradients.adopt()  # the kernel's custom gradient: its step (and weights) can go
     (tc, tw), (xc, xw) = times["tf"], times["xla"]
     speedup = min(tc / max(xc, 1e-12), tw / max(xw, 1e-12))
     with _lock:

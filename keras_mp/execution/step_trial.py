@@ -308,15 +308,17 @@ class StepTrial:
             modes = self._modes()
             if len(modes) == 1:
                 rec.calls = 1
-                memory.release_free_heap()
+                memory.after_trace()
                 self._decide("graph", "; ".join(rec.skipped.values()))
                 return out
         else:
             out, cpu, wall = _timed(fn, iterator, mode)
         if rec.calls < len(modes):
-            # This mode's first call traced and compiled it: the heap that
-            # freed goes back (keras_mp.device.memory), outside the timing.
-            memory.release_free_heap()
+            # This mode's first call traced and compiled it: its graph owns
+            # its custom gradients (so that dropping it frees it), and the
+            # heap that freed goes back (keras_mp.device.memory), outside
+            # the timing.
+            memory.after_trace()
         rec.calls += 1
         if getattr(fn, "failed", False):
             # This mode could not compile (the guard reran the batch as a

@@ -187,7 +187,7 @@ def test_adaptive_precision_applies_the_mode(monkeypatch):
 
 
 def test_measured_matmul_placement_and_set_xla_override():
-    execution.configure(_model(), mode="graph")
+    execution.configure(keras_mp.fuse(_model()), mode="graph")  # fused Dense layers
     p = execution.profile()
     if "xla" in p.matmul.get("float32", {}):
         assert xla.uses_xla("matmul", "CPU") == p.matmul_xla_wins("float32")
@@ -198,6 +198,35 @@ def test_measured_matmul_placement_and_set_xla_override():
         keras_mp.set_xla("matmul", None)
     with pytest.raises(ValueError, match="`device_type`"):
         xla.set_measured_default("matmul", "QPU", True)
+
+
+def test_only_models_that_need_it_measure_xla_matmuls(monkeypatch):
+    # The matmul measurement compiles XLA matmuls in every candidate dtype and
+    # the process keeps that memory: a model that cannot use what it tells
+    # (no fused matmul layer; convolutions on a CPU, where the whole step is
+    # never tried under XLA) does not run it.
+    if xla.current_device_type() != "CPU":
+        pytest.skip("a rule for CPUs")
+    measured = []
+
+    def profile(*args, **kwargs):
+        measured.append(kwargs)
+        return real(*args, **kwargs)
+    real = execution.micro_benchmark.profile
+    monkeypatch.setattr(execution.micro_benchmark, "profile", profile)
+    monkeypatch.setattr(execution.placement, "profile", profile)
+    conv = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3),
+                             keras.layers.Flatten(), keras.layers.Dense(2)])
+    conv.compile(optimizer="adam", loss="mse")
+    assert execution.configure(conv, mode="auto") == "trial"
+    assert execution.candidate_modes(conv) == ("graph", "xla_update")
+    assert measured == []
+    # Fused Dense layers are placed by it, and a model without convolutions
+    # needs it to know whether the whole step may go to XLA.
+    execution.configure(keras_mp.fuse(conv), mode="auto")
+    assert len(measured) == 1
+    execution.candidate_modes(_model())
+    assert len(measured) == 2
 
 
 def _fake_clocks(monkeypatch, factors):
@@ -249,6 +278,13 @@ def test_auto_measures_the_models_own_step(monkeypatch, caplog, factors, expecte
     assert execution.chosen(other) == expected
 
 
+def _train_step_graphs() -> list:
+    from tensorflow.python.framework.func_graph import FuncGraph
+
+    return [g for g in gc.get_objects()
+            if isinstance(g, FuncGraph) and g.name == "one_step_on_data"]
+
+
 def test_the_trial_releases_the_modes_it_did_not_choose(monkeypatch, xla_matmuls_not_slow):
     # A mode's trace and compiled code stay in the process while anything
     # holds its train function: on ResNet50V2 the losing graph trace held
@@ -266,11 +302,15 @@ def test_the_trial_releases_the_modes_it_did_not_choose(monkeypatch, xla_matmuls
     x, y = _data(8 * 30)
     model = _model()
     assert execution.configure(model, mode="auto") == "trial"
+    earlier = weakref.WeakSet(_train_step_graphs())
     model.fit(x, y, batch_size=8, verbose=0)
     assert execution.chosen(model) == "xla_update"
     gc.collect()
     assert sorted(mode for mode, _ in built) == ["graph", "xla", "xla_update"]
     assert [mode for mode, ref in built if ref() is not None] == ["xla_update"]
+    # Their traces too (TensorFlow's gradient registry held them:
+    # keras_mp._gradients), the chosen one's alone is left.
+    assert len([g for g in _train_step_graphs() if g not in earlier]) == 1
     model.fit(x[:16], y[:16], batch_size=8, verbose=0)  # the chosen mode trains on
     assert model.optimizer.iterations.numpy() == 32
 
