@@ -62,7 +62,7 @@ NO_ARGUMENTS = {
     "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
     "device.memory.process_rss", "device.memory.process_peak_rss", "device.memory.step_device",
-    "device.memory.release_free_heap",
+    "device.memory.release_free_heap", "device.memory.after_trace",
     "fused.layers.fused_activation",  # a lookup: None for anything without a fused kernel
     "fused.shared_matches.sharing", "fused.shared_matches.active",
     "fused.shared_matches.take",  # a lookup by identity: None for anything not left there

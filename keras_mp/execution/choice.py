@@ -179,7 +179,7 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     if _update_only_reason(model) is None and "xla_update" not in failed:
         modes.append("xla_update")
     # The convolution rule first: it needs no measurement (the matmul one
-    # compiles XLA matmuls in every candidate dtype, memory the process keeps).
+    # compiles and times XLA matmuls in every candidate dtype).
     if _graph_only_reason(model) is None and "xla" not in failed \
             and _convolution_reason(model) is None and _slow_matmul_reason(model) is None:
         modes.append("xla")
