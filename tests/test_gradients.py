@@ -1,6 +1,6 @@
 """keras_mp._gradients: custom-gradient registrations that die with their
 graph, so that a trace keras-mp drops is freed (TensorFlow's registry kept
-every one: on ResNet50V2 the execution trial's dropped mode held 125 MiB)."""
+every one: on ResNet50V2, 274 MiB of heap came back at the trial's decision, not 149)."""
 
 from __future__ import annotations
 
