@@ -26,7 +26,7 @@ from keras_mp.adaptive import (autofit, controller, float8, forward, hooks, loss
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
-from keras_mp.execution import fused_update, step_trial
+from keras_mp.execution import fused_update, optimizer_state, step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
@@ -44,7 +44,8 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
            "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
            "device", "device.capabilities", "device.memory", "device.xla", "distribute",
            "execution",
-           "execution.fused_update", "execution.step_trial", "fused", "fused.fuse", "fused.layers",
+           "execution.fused_update", "execution.optimizer_state", "execution.step_trial", "fused",
+           "fused.fuse", "fused.layers",
            "fused.losses", "fused.metrics", "fused.shared_matches",
            "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.layer_scales",
            "scaling.loss_scale", "scaling.optimizer", "tuning"]
@@ -475,6 +476,8 @@ CASES = [
                                   memory_heavy=["xla"]), ValueError, "`memory_heavy`"),
     ("execution.choose", lambda: execution.choose(["int8"]), ValueError, "`dtypes`"),
     ("execution.configure", lambda: execution.configure(3), TypeError, "`model`"),
+    ("execution.optimizer_state.build", lambda: optimizer_state.build("model"), TypeError,
+     "`model`"),
     ("execution.configure", lambda: execution.configure(_model()), ValueError, "`model`"),
     ("execution.chosen", lambda: execution.chosen("model"), TypeError, "`model`"),
     ("execution.epilogue", lambda: execution.epilogue("softplus"), ValueError, "`activation`"),

@@ -23,7 +23,8 @@ import keras
 
 from keras_mp import _installed
 from keras_mp.device import memory, xla
-from keras_mp.execution import fused_update, micro_benchmark, placement, step_trial
+from keras_mp.execution import (fused_update, micro_benchmark, optimizer_state, placement,
+                                step_trial)
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
 from keras_mp.fused import shared_matches
@@ -324,6 +325,7 @@ def _make_train_function(model: keras.Model, state: _State,
     def make_train_function(force: bool = False):
         if model.train_function is not None and not force:
             return model.train_function
+        optimizer_state.build(model)  # so that the step is traced once, not twice
         chosen = _decide(model, state)  # again: the compute dtypes may have changed
         state.chosen = state.built = chosen
         if chosen == "trial":

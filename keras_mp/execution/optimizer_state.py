@@ -1,0 +1,64 @@
+"""The optimizer's variables, made before the train step is first traced.
+
+Without a distribution strategy, Keras leaves building the optimizer to the
+first trace of the train step (its slots, e.g. Adam's two moments, are
+created there). A ``tf.function`` that creates variables on its first call
+is traced a second time, with variable creation forbidden, and keeps both
+traces for good (``one_step_on_data``'s variable-creation trace stays in
+its cache). So every Keras train function holds two graphs of the step.
+Built before the first call, the optimizer creates nothing in the trace, and
+the step is traced once.
+
+Measured on keras.applications ResNet50V2 (64x64, batch 16, Keras
+``mixed_bfloat16``, Adam, 2-core AMD EPYC with AVX512-BF16): 30 steps of
+``fit`` peaked at 1651 MiB resident, and at 1477 MiB with the optimizer built
+first. Under a strategy Keras builds the optimizer itself, before the first
+trace (``Trainer._symbolic_build``); :func:`build` does what that does for
+the optimizer, in the strategy's scope.
+
+Example:
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> model.compile(optimizer="adam", loss="mse")
+    >>> build(model), model.optimizer.built
+    (True, True)
+    >>> build(model)   # built already: nothing to do
+    False
+"""
+
+from __future__ import annotations
+
+import keras
+
+__all__ = ["build"]
+
+
+def build(model: keras.Model) -> bool:
+    """Builds ``model``'s optimizer for its trainable variables, where it is
+    not built yet and the model's own variables all exist.
+
+    A model with a layer not built yet (one whose variables its first call
+    creates) is left as it is: the trace creates variables anyway, and the
+    optimizer must see them all.
+
+    Args:
+        model: a compiled Keras model.
+
+    Returns:
+        True if the optimizer was built now.
+
+    Raises:
+        TypeError: ``model`` is not a Keras model.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or optimizer.built:
+        return False
+    if not all(layer.built for layer in model._flatten_layers()):
+        return False
+    # As the optimizer's own apply() builds it: the same variable paths.
+    with model.distribute_strategy.scope(), keras.name_scope(optimizer.name, caller=optimizer):
+        optimizer.build(model.trainable_variables)
+    optimizer.built = True
+    return True
