@@ -32,6 +32,7 @@ __all__ = [
     "peak_rss_mb",
     "sync",
     "quiet_tensorflow",
+    "without_autotune",
 ]
 
 
@@ -50,6 +51,36 @@ def sync(result: Any) -> None:
             # Reading one element forces the whole computation but copies
             # almost nothing back.
             tf.reshape(t, [-1])[:1].numpy() if t.shape.rank else t.numpy()
+
+
+def without_autotune(dataset):
+    """``dataset`` with tf.data's autotuning off, for timing ``fit`` calls.
+
+    Every ``fit`` call makes a new iterator over its dataset, and tearing one
+    down can wait for tf.data's autotuning thread to wake. That thread sleeps
+    10, 20, 40 ... ms in turn, so it wakes 10 * (2**k - 1) ms after the
+    iterator was made, and a round of ``fit`` that was just past one wake-up
+    lasts until the next. On a 2-core AMD EPYC (TF 2.21.0) a 10-step round
+    of Keras ``mixed_bfloat16`` on the bench MLP took 0.91 s in some rounds
+    and exactly 1.27 s in others (the CPU time the same); the Transformer's
+    rounds took 10.23 s or 20.47 s, whatever they computed; and a bare
+    iterator over ten cached batches, 0.91 s of work, took 1.26 s to go away
+    once in eight rounds. Which variant a round penalised was chance, so the
+    median wall time of 5 rounds could move by 1.4x. The bench's pipelines
+    (cached batches held in memory) have nothing to tune.
+
+    >>> import tensorflow as tf
+    >>> ds = without_autotune(tf.data.Dataset.range(4).batch(2))
+    >>> ds.options().autotune.enabled, [b.numpy().tolist() for b in ds]
+    (False, [[0, 1], [2, 3]])
+    """
+    import tensorflow as tf
+
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(f"`dataset` must be a tf.data.Dataset, got {type(dataset).__name__}.")
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
 
 
 def time_steps(fn: Callable[[], Any], steps: int = 10, warmup: int = 2,

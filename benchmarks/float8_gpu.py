@@ -44,7 +44,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .common import cpu_name, quiet_tensorflow, sync
+from .common import cpu_name, quiet_tensorflow, sync, without_autotune
 
 __all__ = ["float8_gpu", "main", "SIZES"]
 
@@ -122,7 +122,8 @@ def run(size: str = "full", steps: int = 10, rounds: int = 5) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch * steps, seq, d)).astype("float32")
     y = rng.integers(0, 10, batch * steps)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache()
+    # Each round is a fit call: see common.without_autotune.
+    data = without_autotune(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache())
     built = {v: _build(v, size) for v in VARIANTS}
 
     def epoch(variant):

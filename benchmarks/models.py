@@ -27,6 +27,8 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
+from .common import without_autotune
+
 __all__ = ["MODELS", "SIZES", "get", "missing"]
 
 MODELS: tuple[str, ...] = ("mlp", "cnn", "transformer", "gpt2", "resnet")
@@ -140,7 +142,9 @@ def get(kind: str, size: dict[str, int], steps: int, rows: int | None = None):
     """``(build, data)``: a function building a new model of ``kind`` (under the
     global dtype policy in force when it is called), and a repeating, cached
     ``tf.data`` dataset of ``steps`` distinct batches of ``size["batch"]``
-    rows (or of ``rows`` rows).
+    rows (or of ``rows`` rows), with tf.data's autotuning off (see
+    :func:`~benchmarks.common.without_autotune`: a round of ``fit`` could
+    otherwise last until that thread's next wake-up).
 
     Raises:
         ValueError: ``kind`` is not one of :data:`MODELS`.
@@ -155,5 +159,6 @@ def get(kind: str, size: dict[str, int], steps: int, rows: int | None = None):
         raise ImportError(reason)
     batch = size["batch"] if rows is None else rows
     x, y = _arrays(kind, size, batch * steps)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache().repeat()
+    data = without_autotune(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache().repeat())
     return (lambda: _BUILDERS[kind](size)), data

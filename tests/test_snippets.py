@@ -175,9 +175,10 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
 # -- docstring examples (the API reference) ---------------------------------------
 
 def _modules() -> list[str]:
-    """Every module of the package, subpackages' ``__init__`` included."""
+    """Every module of the package and of ``benchmarks/`` (installed with it as
+    ``keras_mp.benchmarks``), subpackages' ``__init__`` included."""
     names = []
-    for path in (ROOT / "keras_mp").rglob("*.py"):
+    for path in [*(ROOT / "keras_mp").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]:
         parts = path.relative_to(ROOT).with_suffix("").parts
         names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return sorted(names)
