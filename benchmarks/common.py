@@ -73,6 +73,9 @@ def without_autotune(dataset):
     >>> ds = without_autotune(tf.data.Dataset.range(4).batch(2))
     >>> ds.options().autotune.enabled, [b.numpy().tolist() for b in ds]
     (False, [[0, 1], [2, 3]])
+    >>> without_autotune([0, 1])
+    Traceback (most recent call last):
+    TypeError: `dataset` must be a tf.data.Dataset, got list.
     """
     import tensorflow as tf
 
