@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import threading
 
 import keras
@@ -27,7 +28,12 @@ from keras_mp.execution.micro_benchmark import _check_device_type, _interleaved,
 from keras_mp.fused import layers as fused_layers
 from keras_mp.fused import ops as kops
 
-__all__ = ["apply", "compute_dtypes", "epilogue"]
+__all__ = ["MIN_SHARE", "apply", "compute_dtypes", "epilogue"]
+
+#: The share of a model's weight elements its fused matmul layers must hold for
+#: :func:`apply` to measure where their matmuls run; below it, the defaults of
+#: :mod:`keras_mp.device.xla` stay.
+MIN_SHARE = 0.05
 
 _lock = threading.Lock()
 
@@ -40,11 +46,32 @@ def compute_dtypes(model: keras.Model) -> set[str]:
 
 
 def _places_matmuls(model: keras.Model) -> bool:
-    """Whether a layer of ``model`` runs its matmuls where
+    """Whether layers of ``model`` that run their matmuls where
     :func:`keras_mp.device.xla.uses_xla` ``("matmul")`` says (keras_mp's fused
-    ``Dense`` and ``MultiHeadAttention``)."""
-    return any(isinstance(layer, (fused_layers.Dense, fused_layers.MultiHeadAttention))
-               for layer in model._flatten_layers(include_self=False))
+    ``Dense`` and ``MultiHeadAttention``) hold at least :data:`MIN_SHARE` of
+    its weight elements.
+
+    Example:
+        >>> import keras
+        >>> from keras_mp.fused.layers import Dense
+        >>> cnn = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(64, 3),
+        ...                         keras.layers.Conv2D(64, 3), keras.layers.GlobalAveragePooling2D(),
+        ...                         Dense(10)])
+        >>> _places_matmuls(cnn)  # a head of 650 weights beside 38,720
+        False
+    """
+    fused: dict[int, int] = {}
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, (fused_layers.Dense, fused_layers.MultiHeadAttention)):
+            fused.update((id(w), _size(w)) for w in layer.weights)
+    if not fused:
+        return False
+    total = sum(_size(w) for w in {id(w): w for w in model.weights}.values())
+    return sum(fused.values()) >= MIN_SHARE * max(total, 1)
+
+
+def _size(weight) -> int:
+    return math.prod(int(d) for d in weight.shape)
 
 
 def apply(model: keras.Model) -> None:
@@ -52,9 +79,16 @@ def apply(model: keras.Model) -> None:
     the narrowest dtype the model computes in (measured, not from flags),
     and, where matmuls stay outside XLA, their epilogues (:func:`epilogue`).
 
-    A model without such layers measures nothing (the measurement,
-    :func:`keras_mp.execution.micro_benchmark.profile`, took 0.6 s on a
-    2-core AMD EPYC and compiles XLA matmuls the process keeps).
+    A model without such layers, or where they hold under :data:`MIN_SHARE`
+    of its weights (a small CNN's or ResNet50V2's 10-class head), measures
+    nothing: the measurement (:func:`keras_mp.execution.micro_benchmark.profile`,
+    then :func:`epilogue`) took 0.6 s on a 2-core AMD EPYC and compiles XLA
+    matmuls the process keeps. On the ``cnn`` bench model (6 convolutions, a
+    fused ``Dense(10)`` head, batch 32, 64x64, bfloat16) it grew the process by
+    142 MiB during ``configure``, and skipping it lowered the training run's
+    peak from 874 to 843 MiB (844 to 814 with the graph pinned; one run each,
+    2-core AMD EPYC with AVX512-BF16), against 730 MiB for Keras
+    ``mixed_bfloat16``.
     """
     if not _places_matmuls(model):
         return

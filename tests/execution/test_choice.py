@@ -227,6 +227,20 @@ def test_only_models_that_need_it_measure_xla_matmuls(monkeypatch):
     assert len(measured) == 1
     execution.candidate_modes(_model())
     assert len(measured) == 2
+    # A fused head too small to matter (under MIN_SHARE of the weights) is not
+    # worth the measurement's memory: the defaults stay.
+    wide = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(64, 3),
+                             keras.layers.Conv2D(64, 3), keras.layers.GlobalAveragePooling2D(),
+                             keras.layers.Dense(2)])
+    wide.compile(optimizer="adam", loss="mse")
+    fused = keras_mp.fuse(wide)
+    fused.compile(optimizer="adam", loss="mse")
+    head = fused.layers[-1]
+    assert type(head).__module__ == "keras_mp.fused.layers"
+    assert 0 < head.count_params() < execution.placement.MIN_SHARE * fused.count_params()
+    before = len(measured)
+    execution.configure(fused, mode="auto")
+    assert len(measured) == before
 
 
 def _fake_clocks(monkeypatch, factors):
