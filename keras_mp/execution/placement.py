@@ -67,7 +67,7 @@ def _places_matmuls(model: keras.Model) -> bool:
     if not fused:
         return False
     total = sum(_size(w) for w in {id(w): w for w in model.weights}.values())
-    return sum(fused.values()) >= MIN_SHARE * max(total, 1)
+    return sum(fused.values()) >= MIN_SHARE * total
 
 
 def _size(weight) -> int:

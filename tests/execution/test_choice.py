@@ -232,7 +232,6 @@ def test_only_models_that_need_it_measure_xla_matmuls(monkeypatch):
     wide = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(64, 3),
                              keras.layers.Conv2D(64, 3), keras.layers.GlobalAveragePooling2D(),
                              keras.layers.Dense(2)])
-    wide.compile(optimizer="adam", loss="mse")
     fused = keras_mp.fuse(wide)
     fused.compile(optimizer="adam", loss="mse")
     head = fused.layers[-1]
