@@ -18,10 +18,13 @@ What the callback does, and when:
   is the statistics (Keras's own auto-wrap fires only for the policy name
   ``"mixed_float16"``); bfloat16 needs no loss scale, so there the optimizer
   stays as compiled and only its ``apply`` is observed on statistics steps.
-* per train-function call, it picks one of three traces of the train
-  function: plain (no extra op), statistics (gradient and forward statistics,
-  one in ``statistics_every``), probe (statistics plus the float32 probe, one
-  in ``probe_every``);
+* per train-function call, it picks a step: plain, statistics (gradient and
+  forward statistics, one in ``statistics_every``) or probe (statistics plus
+  the float32 probe, one in ``probe_every``). Plain and statistics steps share
+  one trace whose statistics run only when a switch is on
+  (:mod:`keras_mp.adaptive.hooks`), once the execution trial has chosen the
+  mode; while it measures, they are two traces (the trial times the plain
+  one, without a statistics op in it). The probe has a trace of its own;
 * every ``interval`` calls: reads the statistics once, asks
   :func:`keras_mp.adaptive.controller.decide`, assigns the new dtypes in the policy and
   rebuilds the train functions only if a dtype (or a trial) changed.
@@ -67,8 +70,8 @@ from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.hooks import Hooks
 from keras_mp.adaptive.policy import AdaptivePolicy
 from keras_mp.adaptive.state import PrecisionState, attached
+from keras_mp.adaptive.step_functions import StepFunctions
 from keras_mp.adaptive.stats import IntervalStats, LayerStatistics
-from keras_mp.device import memory
 from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
@@ -173,7 +176,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self.verbose = verbose
         self.events: list[dict[str, Any]] = []
         self.scale_events: list[dict[str, Any]] = []
-        self._functions: tuple | None = None
+        self._functions: StepFunctions | None = None
         self._writer = None
         self._policy: AdaptivePolicy | None = None
         self._inert = False
@@ -252,6 +255,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         if isinstance(opt, LossScaleOptimizer):
             self._stats.scale_floor = optimizer_setup.scale_floor(opt.schedule)
             opt.statistics_sink = sink
+            opt.statistics_gate = self._hooks.statistics_on
         else:
             self._stats.scale_floor = None
             self._hooks.hook_optimizer(opt, sink)
@@ -317,37 +321,27 @@ class AdaptivePrecision(keras.callbacks.Callback):
         model.test_function = None
         model.predict_function = None
 
-    def _train_functions(self) -> tuple:
-        """(plain, statistics, probe), each traced on its first call.
+    def _gateable(self) -> bool:
+        """Whether plain and statistics steps can share one trace (statistics
+        under a switch, :mod:`keras_mp.adaptive.step_functions`): unless every
+        step records statistics, or a float8-capable layer's call (which
+        differs on statistics steps) is in the model."""
+        return self.statistics_every > 1 and "float8" not in self._policy.candidates
 
-        What a step records is decided when it is traced: each wrapper sets
-        the hooks' flags (and the optimizer's sink) around its call; the
-        first call traces, later calls reuse that trace.
-        """
+    def _train_functions(self) -> tuple:
+        """(plain, statistics, probe) (:mod:`keras_mp.adaptive.step_functions`),
+        each traced on its first call; rebuilt once the execution trial
+        decided, so that plain and statistics steps share one trace."""
+        if self._functions is not None and self._functions.stale():
+            self._functions.release()
+            self._functions = None
         if self._functions is None:
             self._scales.install(self._forward_order())
-            model, opt, hooks, sink = self.model, self._optimizer, self._hooks, \
-                self._stats.accumulate
-            own_sink = isinstance(opt, LossScaleOptimizer)
-
-            def variant(forward: bool, probe: bool):
-                model.make_train_function(force=True)
-                fn = model.train_function
-
-                def call(*args, **kwargs):
-                    if own_sink:
-                        opt.statistics_sink = sink if forward else None
-                    with hooks.recording(forward=forward, probe=probe):
-                        return fn(*args, **kwargs)
-                # Its first call traces and compiles: the heap it freed goes back.
-                return memory.released_after_first_call(call)
-
-            plain = variant(False, False)
-            stats = variant(True, False)
-            probe = variant(True, True) if self._probe_fn is not None and self.probe_every \
-                else stats
-            self._functions = (plain, stats, probe)
-        return self._functions
+            self._functions = StepFunctions(
+                self.model, self._optimizer, self._hooks, self._stats.accumulate,
+                probe=self._probe_fn is not None and bool(self.probe_every),
+                gateable=self._gateable())
+        return self._functions.functions
 
     # -- Keras hooks -------------------------------------------------------
 

@@ -290,10 +290,19 @@ class LayerStatistics(keras.layers.Layer):
             (fr, "mean"), (bad, "max"), (amax, "max"), (everywhere, "max"), (scale, "mean"),
             (fwd[:k_max], "max"), (fwd[k_max:], "max"), (observed, "max"), (p_counts, "mean"),
             (p_layers, "mean"), (backward, "max")])
+        step = tf.ones([1])
+        on = self.hooks.statistics_on() if self.hooks is not None else None
+        if on is not None:
+            # A gated trace's plain step adds nothing (every quantity here
+            # is accumulated by a sum or by a maximum with values >= 0).
+            (step, fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, p_counts,
+             p_layers, backward) = (tf.where(on, t, tf.zeros_like(t)) for t in (
+                step, fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, p_counts,
+                p_layers, backward))
         self.fraction_sums.assign_add(fr)
         self.nonfinite_steps.assign_add(bad)
         self.amax.assign(tf.maximum(self.amax.value, amax))
-        self.counters.assign_add(tf.concat([tf.ones([1]), everywhere[None], scale], 0))
+        self.counters.assign_add(tf.concat([step, everywhere[None], scale], 0))
         old = self.forward_sums.value
         self.forward_sums.assign(tf.concat([
             tf.maximum(old[:k_max], fwd_max), old[k_max:-1] + fwd_sum, old[-1:] + observed[None]],

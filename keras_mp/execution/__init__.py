@@ -66,7 +66,7 @@ Example:
     True
 
 One module per part: :mod:`~keras_mp.execution.choice` (:func:`configure`,
-:func:`chosen`, :func:`candidate_modes`), :mod:`~keras_mp.execution.step_trial`
+:func:`chosen`, :func:`measuring`, :func:`candidate_modes`), :mod:`~keras_mp.execution.step_trial`
 (the measurement on the model's first calls), :mod:`~keras_mp.execution.fused_update`
 (the ``xla_update`` mode), :mod:`~keras_mp.execution.micro_benchmark` (the device-wide
 micro-benchmark) and :mod:`~keras_mp.execution.placement` (the fused layers'
@@ -75,10 +75,10 @@ matmuls and epilogues).
 
 from keras_mp.execution import choice, fused_update, micro_benchmark, placement, step_trial
 from keras_mp.execution.choice import (ENV_VAR, MAPS_BUDGET, MODES, candidate_modes, chosen,
-                                       configure)
+                                       configure, measuring)
 from keras_mp.execution.placement import epilogue
 from keras_mp.execution.micro_benchmark import MARGIN, ExecutionProfile, choose, profile
 
 __all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose",
-           "configure", "chosen", "candidate_modes", "epilogue", "choice", "fused_update",
+           "configure", "chosen", "measuring", "candidate_modes", "epilogue", "choice", "fused_update",
            "micro_benchmark", "placement", "step_trial"]

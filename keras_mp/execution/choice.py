@@ -32,7 +32,7 @@ from keras_mp.execution.placement import compute_dtypes as _compute_dtypes
 from keras_mp.execution.micro_benchmark import MARGIN
 
 __all__ = ["MODES", "ENV_VAR", "MAPS_BUDGET", "XLA_MATMUL_FLOOR", "configure", "chosen",
-           "candidate_modes"]
+           "measuring", "candidate_modes"]
 
 #: Accepted values of ``mode`` and of the ``KERAS_MP_EXECUTION`` variable.
 MODES: tuple[str, ...] = ("auto", "xla", "xla_update", "graph", "keep")
@@ -433,3 +433,29 @@ def chosen(model: keras.Model) -> str | None:
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
     state = _state_of(model)
     return None if state is None else state.chosen
+
+
+def measuring(model: keras.Model) -> bool:
+    """Whether ``model``'s train step is, or at its next build will be, timed
+    by the execution trial (``mode="auto"`` and a set of compute dtypes not
+    measured yet): then the train functions built now are timed in each
+    candidate mode.
+
+    Args:
+        model: a Keras model.
+
+    Returns:
+        False once the trial decided, for a fixed mode, and where
+        :func:`configure` never ran on ``model``.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> measuring(model), configure(model, mode="graph"), measuring(model)
+        (False, 'graph', False)
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    state = _state_of(model)
+    return state is not None and _decide(model, state) == "trial"

@@ -196,6 +196,11 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
         # Called in replica context with (GradientStatistics, scale, variables)
         # every step when set; the adaptive precision policy hooks in here.
         self.statistics_sink = None
+        # None, or a callable returning, in the step being traced, a scalar
+        # bool tensor: the sink's statistics are computed only where it is
+        # true (a trace shared by plain and statistics steps), or None
+        # (every step).
+        self.statistics_gate = None
         # What a checkpoint of this optimizer saved before its first step holds.
         self._unbuilt_variable_count = len(self.variables)
 
@@ -334,9 +339,17 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
         if self.statistics_sink is None:
             unscaled, nonfinite = kernels.unscale_and_check(grads, total, return_mask=True)
         else:
-            # One pass yields both the finite flags and what the sink needs.
-            unscaled, stats = kernels.unscale_with_statistics(grads, total)
-            nonfinite = stats.nonfinite > 0
+            on = self.statistics_gate() if self.statistics_gate is not None else None
+            if on is None:
+                # One pass yields both the finite flags and what the sink needs.
+                unscaled, stats = kernels.unscale_with_statistics(grads, total)
+                nonfinite = stats.nonfinite > 0
+            else:
+                # Statistics only on the steps the gate lets through.
+                unscaled, nonfinite = kernels.unscale_and_check(grads, total, return_mask=True)
+                stats = tf.cond(on, lambda: kernels.gradient_statistics(grads, total),
+                                lambda: kernels.GradientStatistics(
+                                    *[tf.zeros([len(grads)])] * len(kernels.STATISTICS)))
             if factors is None:
                 self.statistics_sink(stats, scale, tvars)
             else:

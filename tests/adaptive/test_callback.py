@@ -244,6 +244,31 @@ def test_statistics_sampled_every_n_calls():
         AdaptivePrecision(interval=4, statistics_every=5)
 
 
+@pytest.mark.parametrize("policy", ["adaptive_bfloat16", "adaptive_float16"])
+def test_one_trace_for_plain_and_statistics_steps_gathers_the_same(policy):
+    # bfloat16: the optimizer's apply is observed; float16: a LossScaleOptimizer
+    # (its statistics_gate). The same steps, shared trace or two traces.
+    read, shared = {}, {}
+    for share in (True, False):
+        keras.utils.set_random_seed(0)
+        model = _small(policy)
+        cb = AdaptivePrecision(interval=100, statistics_every=3, probe_every=None)
+        if not share:
+            cb._gateable = lambda: False
+        model.fit(*_xy(72), batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+        shared[share] = cb._functions.shared
+        read[share] = cb._stats.read()
+    assert shared == {True: True, False: False}
+    a, b = read[True], read[False]
+    assert a.steps == b.steps == 3 and a.mean_scale == b.mean_scale
+    for la, lb in zip(a.layers, b.layers):
+        assert la.steps == lb.steps == 3 and la.forward_steps == lb.forward_steps == 3
+        for field in ("amax", "nonfinite", "fp16_underflow", "zero", "in_amax", "out_amax",
+                      "in_range", "out_flushed"):
+            np.testing.assert_allclose(getattr(la, field), getattr(lb, field), rtol=1e-5,
+                                       err_msg=field)
+
+
 def test_history_and_tensorboard_logging(tmp_path):
     model = _small("adaptive_bfloat16")
     policies.policy_of(model).assign(model.layers[0].path, "float32")

@@ -428,3 +428,29 @@ def test_a_memory_heavy_mode_is_tried_only_where_it_fits(caplog):
     with pytest.raises(ValueError, match="`memory_heavy`"):
         step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 1.05, print,
                              memory_heavy=("graph",))
+
+
+def test_adaptive_steps_share_one_trace_once_the_trial_decided(monkeypatch,
+                                                               xla_matmuls_not_slow):
+    # The trial times plain traces; after its decision, plain and statistics
+    # steps run one trace in the chosen mode, and the others are freed.
+    _fake_clocks(monkeypatch, {"xla": 0.8, "xla_update": 0.6})
+    x, y = _data(8 * 30)
+    keras_mp.set_global_policy("adaptive_bfloat16")
+    try:
+        model = _model()
+        cb = keras_mp.callbacks.AdaptivePrecision(interval=100, statistics_every=3,
+                                                  probe_every=None)
+        calls = step_trial.calls_to_decide(3)
+        earlier = weakref.WeakSet(_train_step_graphs())
+        model.fit(x[:8 * calls], y[:8 * calls], batch_size=8, verbose=0, callbacks=[cb])
+        # Statistics steps run as a graph, outside the trial: it still measures.
+        assert execution.measuring(model) and not cb._functions.shared
+        model.fit(x[8 * calls:], y[8 * calls:], batch_size=8, verbose=0, callbacks=[cb])
+        assert execution.chosen(model) == "xla_update" and cb._functions.shared
+        gc.collect()
+        assert len([g for g in _train_step_graphs() if g not in earlier]) == 1
+        assert cb._stats.read().steps == 10  # calls 3, 6, ..., 30, in either trace
+        assert model.optimizer.iterations.numpy() == 30
+    finally:
+        keras_mp.set_global_policy("float32")
