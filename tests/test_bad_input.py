@@ -480,6 +480,7 @@ CASES = [
      "`model`"),
     ("execution.configure", lambda: execution.configure(_model()), ValueError, "`model`"),
     ("execution.chosen", lambda: execution.chosen("model"), TypeError, "`model`"),
+    ("execution.measuring", lambda: execution.measuring("model"), TypeError, "`model`"),
     ("execution.epilogue", lambda: execution.epilogue("softplus"), ValueError, "`activation`"),
     ("execution.epilogue", lambda: execution.epilogue("relu", "int8"), ValueError, "`dtype`"),
     ("device.xla.fuses_epilogue", lambda: xla.fuses_epilogue("softplus"), ValueError, "`activation`"),
