@@ -220,26 +220,44 @@ class Hooks:
     def _observe(self, index: int, layer, args, kwargs, outputs) -> None:
         inputs = forward.floating_tensors((args, kwargs))
         outs = forward.floating_tensors(outputs)
-        memo = self._slot().setdefault("ranges", {})
-        dtype = layer.compute_dtype
-        if not self.gated:
-            vec = forward.call_statistics(inputs, outs, dtype, memo)
+        slot = self._slot()
+        if self.gated:
+            # Measured at take(), all calls under one switch (_gated_rows).
+            slot.setdefault("calls", []).append((index, inputs, outs, layer.compute_dtype))
         else:
-            # The outputs' maxima leave the branch: the next layer's
-            # inputs reuse them, as in an ungated trace.
-            measured = [x for x in outs if x.shape.num_elements() != 0]
+            vec = forward.call_statistics(inputs, outs, layer.compute_dtype,
+                                          slot.setdefault("ranges", {}))
+            seen = slot.setdefault("forward", {})
+            seen[index] = vec if index not in seen else forward.combine(seen[index], vec)
+        slot.setdefault("dtypes", {})[index] = layer.compute_dtype
 
-            def compute():
-                local = dict(memo)
-                row = forward.call_statistics(inputs, outs, dtype, local)
-                return row, [local[id(x)][1] for x in measured]
+    def _gated_rows(self, calls: list) -> dict[int, tf.Tensor]:
+        """The statistics of a gated trace's recorded ``calls`` (``(index,
+        inputs, outputs, dtype)``, in call order), computed in **one**
+        ``tf.cond`` on the switch: index -> raw statistics vector (zeros on
+        plain steps).
 
-            vec, amaxes = self.when(compute, lambda: (
-                tf.zeros([len(forward.RAW_FIELDS)]), [tf.constant(0.0) for _ in measured]))
-            memo.update({id(x): (x, a) for x, a in zip(measured, amaxes)})
-        seen = self._slot().setdefault("forward", {})
-        seen[index] = vec if index not in seen else forward.combine(seen[index], vec)
-        self._slot().setdefault("dtypes", {})[index] = layer.compute_dtype
+        One ``tf.cond`` per call held a pair of branch functions per layer: on
+        ResNet50V2 (64x64, batch 16, the graph, 2-core AMD EPYC) the first
+        call of such a trace peaked 245 MiB above where it settled, and the
+        run's peak was 1819 MiB against 1574 without forward statistics
+        (Keras ``mixed_bfloat16``: 1620). Lowered to switches, one
+        ``tf.cond`` still runs each call's reductions as soon as its tensors
+        exist, as the ungated trace does.
+        """
+        indices = list(dict.fromkeys(i for i, *_ in calls))
+
+        def compute():
+            memo, rows = {}, {}
+            for index, inputs, outs, dtype in calls:
+                vec = forward.call_statistics(inputs, outs, dtype, memo)
+                rows[index] = vec if index not in rows else forward.combine(rows[index], vec)
+            return [rows[i] for i in indices]
+
+        def off():
+            return [tf.zeros([len(forward.RAW_FIELDS)]) for _ in indices]
+
+        return dict(zip(indices, self.when(compute, off)))
 
     def _recorder(self, index: int) -> Callable | None:
         """Where a float8-capable layer's call reports its float8 evidence in
@@ -383,9 +401,11 @@ class Hooks:
         back = pending.get("backward", {})
         backward = tf.stack([back.get(i, tf.constant(0.0)) for i in range(len(self.layers))]) \
             if back else None
-        if "forward" not in pending and "probe" not in pending:
+        if not {"forward", "calls", "probe"} & pending.keys():
             return None, None, None, backward
         seen = pending.get("forward", {})
+        if pending.get("calls"):
+            seen = {**seen, **self._gated_rows(pending["calls"])}
         f8 = pending.get("float8", {})
         probe = pending.get("probe", None)
         if self._order:
