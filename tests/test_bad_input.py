@@ -44,7 +44,8 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
            "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
            "device", "device.capabilities", "device.memory", "device.xla", "distribute",
            "execution",
-           "execution.fused_update", "execution.optimizer_state", "execution.step_trial", "fused",
+           "execution.fused_update", "execution.optimizer_state", "execution.reasons",
+           "execution.step_trial", "fused",
            "fused.fuse", "fused.layers",
            "fused.losses", "fused.metrics", "fused.shared_matches",
            "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.layer_scales",
@@ -55,7 +56,7 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
 NO_ARGUMENTS = {
     "distribute.keras_multi_worker_faults", "distribute.patch_multi_worker",
     "distribute.patched_faults", "distribute.unpatch_multi_worker",
-    "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "datasets.default_data_dir",
+    "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "execution.reasons.maps", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
@@ -63,7 +64,7 @@ NO_ARGUMENTS = {
     "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
     "device.memory.process_rss", "device.memory.process_peak_rss", "device.memory.step_device",
-    "device.memory.release_free_heap", "device.memory.after_trace",
+    "device.memory.release_free_heap", "device.memory.after_trace", "execution.step_trial.untimed",
     "fused.layers.fused_activation",  # a lookup: None for anything without a fused kernel
     "fused.shared_matches.sharing", "fused.shared_matches.active",
     "fused.shared_matches.take",  # a lookup by identity: None for anything not left there
@@ -473,7 +474,11 @@ CASES = [
     ("adaptive.probe.after", lambda: probe.after((x2,), ["tensor"]), TypeError, "`deps`"),
     ("execution.step_trial.StepTrial",
      lambda: step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 1.05, print,
-                                  memory_heavy=["xla"]), ValueError, "`memory_heavy`"),
+                                  memory_cost=["xla"]), ValueError, "`memory_cost`"),
+    ("execution.fused_update.switched",
+     lambda: fused_update.switched(tf.Variable(1.0)).__enter__(), TypeError, "`switch`"),
+    ("execution.fused_update.updated_variables",
+     lambda: fused_update.updated_variables("sgd"), TypeError, "`optimizer`"),
     ("execution.choose", lambda: execution.choose(["int8"]), ValueError, "`dtypes`"),
     ("execution.configure", lambda: execution.configure(3), TypeError, "`model`"),
     ("execution.optimizer_state.build", lambda: optimizer_state.build("model"), TypeError,
@@ -504,6 +509,11 @@ CASES = [
     ("execution.step_trial.calls_to_decide", lambda: step_trial.calls_to_decide(1), ValueError,
      "`modes`"),
     ("execution.candidate_modes", lambda: execution.candidate_modes("m"), TypeError, "`model`"),
+    ("execution.reasons.graph_only", lambda: execution.reasons.graph_only("m"), TypeError, "`model`"),
+    ("execution.reasons.slow_matmul", lambda: execution.reasons.slow_matmul("m"), TypeError, "`model`"),
+    ("execution.reasons.convolution", lambda: execution.reasons.convolution("m"), TypeError, "`model`"),
+    ("execution.reasons.update_only", lambda: execution.reasons.update_only("m"), TypeError, "`model`"),
+    ("execution.reasons.update_memory", lambda: execution.reasons.update_memory("m"), TypeError, "`model`"),
     ("execution.fused_update.install", lambda: fused_update.install("adam"), TypeError, "`optimizer`"),
     ("execution.fused_update.is_installed", lambda: fused_update.is_installed(None), TypeError,
      "`optimizer`"),

@@ -330,11 +330,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
 
     def _train_functions(self) -> tuple:
         """(plain, statistics, probe) (:mod:`keras_mp.adaptive.step_functions`),
-        each traced on its first call; rebuilt once the execution trial
-        decided, so that plain and statistics steps share one trace."""
-        if self._functions is not None and self._functions.stale():
-            self._functions.release()
-            self._functions = None
+        each traced on its first call."""
         if self._functions is None:
             self._scales.install(self._forward_order())
             self._functions = StepFunctions(

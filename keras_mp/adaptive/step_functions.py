@@ -8,22 +8,24 @@ function of its own, traced on its first call.
 
 Plain and statistics steps share **one trace** where they can (a *gated* trace,
 :mod:`keras_mp.adaptive.hooks`: the statistics run under a switch the step
-reads), so that the process does not hold a second copy of the whole step.
-They cannot where every step records statistics (``statistics_every=1``), or
-where a float8-capable layer's call differs on statistics steps. Nor while
-the execution trial (:mod:`keras_mp.execution.step_trial`) times the step:
-it times plain traces, without a statistics operation in them, and the first
-step after its decision builds the shared trace in the chosen mode and drops
-the traces it replaces.
+reads, and the forward statistics of all layers under one ``tf.cond``), so
+that the process does not hold a second copy of the whole step. They cannot
+where every step records statistics (``statistics_every=1``), or where a
+float8-capable layer's call differs on statistics steps. The trace is shared
+from the first call, the execution trial's too
+(:mod:`keras_mp.execution.step_trial`): it times the shared trace's plain
+steps, and statistics steps run untimed (:func:`~keras_mp.execution.step_trial.untimed`),
+so no step is traced twice for the trial's sake.
 
 Measured (2-core AMD EPYC with AVX512-BF16, peak process memory over 30
-steps, the bench's models): with the step pinned to the graph
-(``KERAS_MP_EXECUTION=graph``, or a model that can only run as a graph), one
-shared trace lowered ResNet50V2's peak (64x64, batch 16) from 1976 to 1828 MiB
-and the CNN's from 844 to 805 MiB. Under the measured mode the peak stayed
-where it was (ResNet50V2 2078 -> 2064 MiB, CNN 850 -> 847, MLP 1065 -> 1063,
-Transformer 1423 -> 1432): there the trial's second mode and the shared
-trace's own first call set it.
+steps, fresh processes, the bench's models): with the step pinned to the
+graph (``KERAS_MP_EXECUTION=graph``), one shared trace lowered ResNet50V2's
+peak (64x64, batch 16) from 1976 to 1828 MiB, and one ``tf.cond`` for the
+forward statistics instead of one per layer call to 1747 (Keras
+``mixed_bfloat16``: 1621). Under the measured mode, sharing the trace from
+the first call (and one trace for the trial's ``graph`` and ``xla_update``,
+:mod:`keras_mp.execution.choice`) took ResNet50V2 from 2065 to 1701-1791 MiB
+(Keras: 1628-1638).
 
 Example:
     >>> import keras, numpy as np, keras_mp
@@ -41,13 +43,13 @@ Example:
 
 from __future__ import annotations
 
-import gc
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import keras
 
-from keras_mp import execution
+from keras_mp.execution import step_trial
 from keras_mp.adaptive.hooks import Hooks
 from keras_mp.device import memory
 from keras_mp.scaling.optimizer import LossScaleOptimizer
@@ -79,7 +81,7 @@ class StepFunctions:
             raise TypeError(f"`hooks` must be a keras_mp Hooks, got {type(hooks).__name__}.")
         self._model, self._optimizer, self._hooks, self._sink = model, optimizer, hooks, sink
         self._gateable = bool(gateable)
-        self.shared = self._gateable and not execution.measuring(model)
+        self.shared = self._gateable
         if self.shared:
             hooks.switch()  # created here, outside any trace
             both = self._variant(True, False, gated=True)
@@ -87,19 +89,6 @@ class StepFunctions:
         else:
             plain, stats = self._variant(False, False), self._variant(True, False)
         self.functions = (plain, stats, self._variant(True, True) if probe else stats)
-
-    def stale(self) -> bool:
-        """Whether the functions should be rebuilt now: the execution trial
-        decided, so plain and statistics steps can share a trace."""
-        return not self.shared and self._gateable and not execution.measuring(self._model)
-
-    def release(self) -> None:
-        """Lets the traces go (call before building the next functions)."""
-        self.functions = ()
-        if self._model.train_function is not None:
-            self._model.train_function = None
-        gc.collect()
-        memory.release_free_heap()
 
     def _variant(self, forward: bool, probe: bool, gated: bool = False) -> Callable[..., Any]:
         model, opt, hooks, sink = self._model, self._optimizer, self._hooks, self._sink
@@ -120,5 +109,7 @@ class StepFunctions:
 
         def call(*args, **kwargs):
             hooks.set_statistics(on)
-            return fn(*args, **kwargs)
+            # A statistics step is slower: the execution trial does not time it.
+            with step_trial.untimed() if on else contextlib.nullcontext():
+                return fn(*args, **kwargs)
         return call

@@ -20,16 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from keras_mp import _installed
 from keras_mp.device import memory, xla
-from keras_mp.execution import (fused_update, micro_benchmark, optimizer_state, placement,
-                                step_trial)
+from keras_mp.execution import fused_update, optimizer_state, placement, reasons, step_trial
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
 from keras_mp.fused import shared_matches
 from keras_mp.execution.placement import compute_dtypes as _compute_dtypes
 from keras_mp.execution.micro_benchmark import MARGIN
+from keras_mp.execution.reasons import MAPS_BUDGET, XLA_MATMUL_FLOOR
 
 __all__ = ["MODES", "ENV_VAR", "MAPS_BUDGET", "XLA_MATMUL_FLOOR", "configure", "chosen",
            "measuring", "candidate_modes"]
@@ -38,91 +39,8 @@ __all__ = ["MODES", "ENV_VAR", "MAPS_BUDGET", "XLA_MATMUL_FLOOR", "configure", "
 MODES: tuple[str, ...] = ("auto", "xla", "xla_update", "graph", "keep")
 #: The environment variable that overrides ``auto``.
 ENV_VAR = "KERAS_MP_EXECUTION"
-#: Past this fraction of the process's memory maps (:func:`keras_mp.device.xla.memory_maps`),
-#: no new XLA compilation is tried.
-MAPS_BUDGET = 0.5
-#: The whole step is tried under XLA only where XLA's matmuls in the model's
-#: narrowest compute dtype reach this fraction of the graph's throughput
-#: (:func:`keras_mp.execution.profile`, matmuls only).
-XLA_MATMUL_FLOOR = 0.8
-
 _ATTR = "execution"  # the model's keras_mp._installed holder keeps its _State here
 _log = logging.getLogger("keras_mp")
-
-
-def _maps_reason() -> str | None:
-    """Why another XLA compilation could crash this process (None when not)."""
-    maps = xla.memory_maps()
-    if maps is None or maps[0] <= MAPS_BUDGET * maps[1]:
-        return None
-    return (f"this process holds {maps[0]} of the {maps[1]} memory maps Linux allows it "
-            "(vm.max_map_count) and TensorFlow never frees an XLA:CPU executable's, so "
-            "another XLA compilation could crash it; raise the limit (sysctl -w "
-            "vm.max_map_count=262144) or train new models in a new process")
-
-
-def _graph_only_reason(model: keras.Model) -> str | None:
-    """Why XLA cannot be used for this model at all (None when it can)."""
-    from keras.src.trainers.trainer import model_supports_jit
-
-    if getattr(model, "run_eagerly", False):
-        return "the model runs eagerly (run_eagerly=True)"
-    if getattr(model, "_distribute_strategy", None) is not None:
-        return "a distribution strategy is set (Keras does not compile its steps with XLA)"
-    opt = getattr(model, "optimizer", None)
-    if getattr(opt, "max_consecutive_skips", None) is not None:
-        return ("the optimizer sets max_consecutive_skips, whose message names variables "
-                "with string ops XLA cannot compile; set max_consecutive_skips=None to allow XLA")
-    if not model_supports_jit(model):
-        names = sorted({type(layer).__name__ for layer in model._flatten_layers()
-                        if not layer.supports_jit})
-        return f"layers that do not support XLA: {', '.join(names) or 'see Keras'}"
-    if not xla.xla_available():
-        return "XLA does not run on this device"
-    return _maps_reason()
-
-
-def _slow_matmul_reason(model: keras.Model) -> str | None:
-    """Why the whole step under XLA cannot win here (None when it may): XLA's
-    matmuls in the model's narrowest compute dtype run far slower than the
-    graph's. (On a 2-core AMD EPYC with AVX512-BF16, XLA:CPU's bfloat16 matmul
-    ran at 71 GFLOP/s against oneDNN's 147, and the whole bfloat16 step
-    under XLA lost on every bench model; each try costs an XLA compilation
-    that stays in memory.)"""
-    dtypes = _compute_dtypes(model)
-    dtype = next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
-    speeds = micro_benchmark.profile(steps=False).matmul.get(dtype, {})
-    if "xla" not in speeds or "graph" not in speeds:
-        return None
-    if speeds["xla"] >= XLA_MATMUL_FLOOR * speeds["graph"]:
-        return None
-    return (f"XLA runs {dtype} matmuls at {speeds['xla']:.0f} GFLOP/s here against "
-            f"{speeds['graph']:.0f} as a TensorFlow graph")
-
-
-#: Convolution layers, which XLA:CPU runs without oneDNN.
-_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
-                 keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
-                 keras.layers.Conv3DTranspose, keras.layers.DepthwiseConv1D,
-                 keras.layers.DepthwiseConv2D, keras.layers.SeparableConv1D,
-                 keras.layers.SeparableConv2D)
-
-
-def _convolution_reason(model: keras.Model) -> str | None:
-    """Why the whole step under XLA is not tried on a CPU (None when it may):
-    the model convolves, and XLA:CPU runs convolutions without oneDNN. A
-    small bfloat16 CNN ran 3x slower under XLA on a Xeon with AMX-BF16, and
-    ResNet50V2 4x slower on an AMD EPYC with AVX512-BF16. On that EPYC (2
-    cores), MobileNetV3Small's first 12 steps (float16, 32x32, batch 16) took
-    52 s of wall time with the whole step in the trial, 23 s without it."""
-    if xla.current_device_type() != "CPU":
-        return None
-    found = next((layer for layer in model._flatten_layers(include_self=False)
-                  if isinstance(layer, _CONVOLUTIONS)), None)
-    if found is None:
-        return None
-    return (f"XLA:CPU runs convolutions ({type(found).__name__} {found.name!r}) without "
-            "oneDNN, several times slower than the TensorFlow graph")
 
 
 @dataclasses.dataclass
@@ -137,30 +55,17 @@ class _State:
     # mode="auto": what the model's own step measured, per set of compute dtypes
     trials: dict[frozenset, step_trial.Record] = dataclasses.field(default_factory=dict)
     built: str | None = None  # the mode the current train function was built for
-
-
-def _update_only_reason(model: keras.Model) -> str | None:
-    """Why the optimizer's update alone cannot be compiled (None when it can)."""
-    if getattr(model, "run_eagerly", False):
-        return "the model runs eagerly (run_eagerly=True)"
-    if getattr(model, "_distribute_strategy", None) is not None:
-        return "a distribution strategy is set (the update holds its all-reduce)"
-    if getattr(model, "optimizer", None) is None:
-        return "the model has no optimizer"
-    reason = fused_update.unsupported_reason(model.optimizer)
-    if reason is not None:
-        return reason
-    if not xla.xla_available():
-        return "XLA does not run on this device"
-    if not xla.uses_xla("elementwise"):
-        return "keras_mp.set_xla('elementwise', False) keeps elementwise work out of XLA"
-    return _maps_reason()
+    # mode="auto": the trial's graph and xla_update share a trace (_trial)
+    update_switch: Any = None  # a bool tf.Variable: the update under XLA
+    update_on: bool = False
 
 
 def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     """The modes ``mode="auto"`` measures for ``model``: ``"graph"`` first,
     then ``"xla_update"`` and ``"xla"`` where the model can use them
-    (``"xla"`` only where XLA's matmuls in the model's narrowest compute
+    (``"xla_update"`` only where its compiled code fits in
+    :data:`keras_mp.execution.step_trial.MEMORY_BUDGET` of the process;
+    ``"xla"`` only where XLA's matmuls in the model's narrowest compute
     dtype reach :data:`XLA_MATMUL_FLOOR` of the graph's here, and on a CPU
     only for a model without convolutions).
 
@@ -177,12 +82,13 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     state = _state_of(model)
     failed = state.failed if state is not None else set()
     modes = ["graph"]
-    if _update_only_reason(model) is None and "xla_update" not in failed:
+    if reasons.update_only(model) is None and "xla_update" not in failed \
+            and reasons.update_memory(model) is None:
         modes.append("xla_update")
     # The convolution rule first: it needs no measurement (the matmul one
     # compiles and times XLA matmuls in every candidate dtype).
-    if _graph_only_reason(model) is None and "xla" not in failed \
-            and _convolution_reason(model) is None and _slow_matmul_reason(model) is None:
+    if reasons.graph_only(model) is None and "xla" not in failed \
+            and reasons.convolution(model) is None and reasons.slow_matmul(model) is None:
         modes.append("xla")
     return tuple(modes)
 
@@ -193,7 +99,7 @@ def _decide(model: keras.Model, state: _State) -> str:
     if state.mode == "graph" or state.mode in state.failed:
         return "graph"
     if state.mode in ("xla", "xla_update"):
-        reason = (_graph_only_reason if state.mode == "xla" else _update_only_reason)(model)
+        reason = (reasons.graph_only if state.mode == "xla" else reasons.update_only)(model)
         if reason is None:
             return state.mode
         if state.strict:
@@ -204,10 +110,13 @@ def _decide(model: keras.Model, state: _State) -> str:
         return "graph"
     if len(candidate_modes(model)) == 1:
         if not state.told:
-            reason = (_graph_only_reason(model) or _update_only_reason(model)
-                      or "XLA could not compile it")
-            if _graph_only_reason(model) is None and _slow_matmul_reason(model) is not None:
-                reason = f"{_slow_matmul_reason(model)}, and {reason}"
+            reason = (reasons.graph_only(model) or reasons.update_only(model)
+                      or reasons.update_memory(model) or "XLA could not compile it")
+            if reasons.graph_only(model) is None:
+                # The convolution rule first: it measures nothing.
+                why_not_xla = reasons.convolution(model) or reasons.slow_matmul(model)
+                if why_not_xla is not None:
+                    reason = f"{why_not_xla}, and {reason}"
             _log.log(logging.WARNING if "memory maps" in reason else logging.INFO,
                      "keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
             state.told = True
@@ -232,13 +141,27 @@ def _fall_back(model: keras.Model, state: _State, mode: str) -> Callable[[], Cal
     return graph
 
 
-def _with_update(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _with_update(fn: Callable[..., Any], switch: tf.Variable | None = None) -> Callable[..., Any]:
     """``fn``, traced (now or on a retrace) with the optimizer's update
-    compiled by XLA."""
+    compiled by XLA; with ``switch``, both ways under a ``tf.cond`` on it
+    (:func:`keras_mp.execution.fused_update.switched`)."""
 
     def train_function(iterator):
-        with fused_update.compiling(True):
+        with fused_update.compiling(True) if switch is None else fused_update.switched(switch):
             return fn(iterator)
+
+    return train_function
+
+
+def _switched(fn: Callable[..., Any], state: _State, on: bool) -> Callable[..., Any]:
+    """``fn`` (built with ``state.update_switch``), its update under XLA
+    where ``on``: the switch is set before each call."""
+
+    def train_function(iterator):
+        if state.update_on != on:
+            state.update_switch.assign(on)
+            state.update_on = on
+        return fn(iterator)
 
     return train_function
 
@@ -258,13 +181,14 @@ def _with_fused(fn: Callable[..., Any], losses: list, metrics: list) -> Callable
     return train_function
 
 
-def _build(model: keras.Model, state: _State, mode: str) -> Callable[..., Any]:
+def _build(model: keras.Model, state: _State, mode: str,
+           switch: tf.Variable | None = None) -> Callable[..., Any]:
     model.jit_compile = mode == "xla"
     state.original(force=True)
     fn = model.train_function  # traced as Keras traces it
     if mode == "xla_update":
         fused_update.install(model.optimizer)
-        fn = _with_update(fn)
+        fn = _with_update(fn, switch)
     if not xla.uses_xla("elementwise"):
         return fn
     losses = fused_losses.fusable_losses(model)
@@ -281,11 +205,23 @@ def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
         record.owner, record.calls, record.samples = None, 0, {}
     modes = candidate_modes(model)
     candidates: dict[str, Callable[..., Any]] = {}
-    for mode in reversed(modes):  # "graph" built last: jit_compile stays False
-        fn = _build(model, state, mode)
-        if mode != "graph":
-            fn = _guarded(model, state, mode, fn, graph=lambda: candidates["graph"])
-        candidates[mode] = fn
+    if "xla" in modes:  # first: jit_compile ends False
+        candidates["xla"] = _guarded(model, state, "xla", _build(model, state, "xla"),
+                                     graph=lambda: candidates["graph"])
+    if "xla_update" in modes:
+        # One trace for both: the update under a tf.cond on the switch.
+        if state.update_switch is None:
+            with tf.init_scope():
+                state.update_switch = tf.Variable(False, trainable=False,
+                                                  name="keras_mp_update_under_xla")
+            state.update_on = False
+        both = _build(model, state, "xla_update", state.update_switch)
+        candidates["graph"] = _switched(both, state, False)
+        candidates["xla_update"] = _guarded(model, state, "xla_update",
+                                            _switched(both, state, True),
+                                            graph=lambda: candidates["graph"])
+    else:
+        candidates["graph"] = _build(model, state, "graph")
     candidates = {m: candidates[m] for m in modes}
 
     def decided(mode: str) -> None:
@@ -294,8 +230,11 @@ def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
             model.jit_compile = mode == "xla"
             model.test_function = model.predict_function = None
 
-    heavy = ("xla",) if "xla" in candidates else ()
-    return step_trial.StepTrial(record, candidates, MARGIN, decided, memory_heavy=heavy)
+    costs = {}
+    if "xla" in candidates:
+        costs["xla"] = lambda rec: None if rec.step_bytes is None else (
+            rec.step_bytes, "a copy of the step's tensors, held by the step under XLA")
+    return step_trial.StepTrial(record, candidates, MARGIN, decided, memory_cost=costs)
 
 
 def _guarded(model: keras.Model, state: _State, mode: str, fn: Callable[..., Any],
@@ -394,7 +333,7 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
         raise ValueError("`model` must be compiled first: call model.compile(...), then "
                          "keras_mp.execution.configure(model).")
     if mode in ("xla", "xla_update") and source == "`mode`":
-        reason = (_graph_only_reason if mode == "xla" else _update_only_reason)(model)
+        reason = (reasons.graph_only if mode == "xla" else reasons.update_only)(model)
         if reason is not None:  # before anything about the model changes
             raise ValueError(f"`mode`={mode!r} cannot be used for this model: {reason}.")
     if state is None:

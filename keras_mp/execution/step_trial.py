@@ -27,34 +27,46 @@ slower mode (:func:`calls_to_decide`). If a mode cannot compile, the same
 batch is rerun as a graph, one warning says so, and the trial goes on
 without that mode.
 
-Memory: once decided, the trial drops the other modes' train functions, so
-that their traces can be freed (on ResNet50V2, 64x64, batch 16, 2-core AMD
-EPYC: 274 MiB of heap handed back when the update under XLA won over the
-graph). For that, each mode's first call hands the custom gradients its
-trace registered over to its graph (:mod:`keras_mp._gradients`):
-TensorFlow's gradient registry would otherwise keep every trace for good
-(149 MiB came back without it, the traces' runtime part alone). What a mode's first call grew stays in the process's peak, though,
-and TensorFlow's CPU allocator keeps every region it grew. The whole step compiled by
-XLA holds its own copy of the step's tensors: on a 2-block Transformer (T=256,
+Memory: the graph and ``"xla_update"`` run one trace, which holds the update
+both ways under a ``tf.cond`` (:func:`keras_mp.execution.fused_update.switched`),
+so that trying the update under XLA does not trace the whole step a second
+time. (On ResNet50V2, 64x64, batch 16, 2-core AMD EPYC, with adaptive
+precision: the peak fell from 2065 to 1933 MiB.) Once decided, the trial
+drops the other modes' train functions, so that their traces can be freed;
+for that, each mode's first call hands the custom gradients its trace
+registered over to its graph (:mod:`keras_mp._gradients`): TensorFlow's
+gradient registry would otherwise keep every trace for good (149 MiB came
+back without it, the traces' runtime part alone). What a mode's first call
+grew stays in the process's peak, though, and TensorFlow's CPU allocator keeps
+every region it grew.
+
+So a mode is tried only where what it adds fits (``memory_cost``): after the
+graph's first call, its estimate must be at most :data:`MEMORY_BUDGET` of the
+process's resident memory (the allocator's peak on a GPU); otherwise the mode
+is skipped, and one INFO message says so. The whole step compiled by XLA
+holds its own copy of the step's tensors: on a 2-block Transformer (T=256,
 d=512, batch 64, bfloat16, 2-core AMD EPYC) trying it raised the process's
 peak from 2.9 to 5.1 GB, against 3.2 GB for Keras's ``mixed_bfloat16``
-(``python -m benchmarks.transformer_memory``). So a mode named in
-``memory_heavy`` is tried only where that copy fits: after the graph's first
-call, the memory its tensors took (TensorFlow's allocator peak during the
-call, its statistics reset before it, minus what was live before the call;
-or the process's growth where the allocator keeps no statistics) must be at most :data:`MEMORY_BUDGET` of the process's
-resident memory (the allocator's peak on a GPU); otherwise the mode is
-skipped, and one INFO message says so.
+(``python -m benchmarks.transformer_memory``). Its estimate
+(:mod:`keras_mp.execution.choice`) is what the graph step's tensors took on
+its first call (TensorFlow's allocator peak during the call, its statistics
+reset before it, minus what was live before; or the process's growth where
+the allocator keeps no statistics). The update under XLA keeps compiled code
+per variable; where that would not fit, it is not a candidate at all
+(:func:`keras_mp.execution.candidate_modes`, checked before anything is
+traced).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -63,12 +75,12 @@ import tensorflow as tf
 from keras_mp.device import memory
 
 __all__ = ["PAIRS", "MEMORY_BUDGET", "Record", "StepTrial", "FirstCallGuard",
-           "calls_to_decide"]
+           "calls_to_decide", "untimed"]
 
 #: Timed rounds (one call of each mode) before the decision.
 PAIRS = 4
-#: A ``memory_heavy`` mode is tried only where the graph step's tensors are at
-#: most this fraction of the memory the process holds.
+#: A mode is tried only where what it would add (``memory_cost``) is at most
+#: this fraction of the memory the process holds.
 MEMORY_BUDGET = 0.05
 _WARMUP = 2  # untimed calls of each mode: tracing/compilation, then one more
 _NAMES = {"graph": "as a TensorFlow graph", "xla": "under XLA",
@@ -86,6 +98,26 @@ def calls_to_decide(modes: int) -> int:
     return modes * (_WARMUP + PAIRS)
 
 _log = logging.getLogger("keras_mp")
+_untimed = threading.local()
+
+
+@contextlib.contextmanager
+def untimed() -> Iterator[None]:
+    """Train-function calls made inside this block (this thread) are not
+    timed: until the decision, a :class:`StepTrial` runs them as a graph and
+    does not count them (adaptive precision's statistics steps, which share
+    the plain steps' trace, run there).
+
+    Example:
+        >>> with untimed():
+        ...     pass
+    """
+    previous = getattr(_untimed, "on", False)
+    _untimed.on = True
+    try:
+        yield
+    finally:
+        _untimed.on = previous
 
 
 @dataclasses.dataclass
@@ -243,13 +275,17 @@ class StepTrial:
         margin: how much faster than the graph another mode must be, by
             both clocks.
         on_decision: called once with the chosen mode's name.
-        memory_heavy: modes that hold a second copy of the step's tensors
-            (e.g. ``("xla",)``): tried only where it fits (module docstring).
+        memory_cost: mode -> ``cost(record)``: what trying the mode would add
+            to the process, ``(bytes, what)`` (e.g. the whole step under XLA:
+            a copy of the graph step's tensors, ``record.step_bytes``), or
+            None where unknown; read after the graph's first call, and a mode
+            whose cost is over :data:`MEMORY_BUDGET` of the process is not
+            tried (module docstring).
     """
 
     def __init__(self, record: Record, candidates: dict[str, Callable[..., Any]],
                  margin: float, on_decision: Callable[[str], None],
-                 memory_heavy: tuple[str, ...] = ()):
+                 memory_cost: dict[str, Callable[[Record], tuple[int, str] | None]] | None = None):
         if not isinstance(record, Record):
             raise TypeError(f"`record` must be a step_trial.Record, got {type(record).__name__}.")
         if not isinstance(candidates, dict) or next(iter(candidates), None) != "graph" \
@@ -258,13 +294,15 @@ class StepTrial:
                              f"'graph' first, got {candidates!r}.")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 1.0:
             raise ValueError(f"`margin` must be a number >= 1, got {margin!r}.")
-        if not isinstance(memory_heavy, tuple) or any(m not in candidates or m == "graph"
-                                                      for m in memory_heavy):
-            raise ValueError("`memory_heavy` must be a tuple of candidate modes other than "
-                             f"'graph', got {memory_heavy!r}.")
+        memory_cost = {} if memory_cost is None else memory_cost
+        if not isinstance(memory_cost, dict) or any(
+                m not in candidates or m == "graph" or not callable(f)
+                for m, f in memory_cost.items()):
+            raise ValueError("`memory_cost` must be a dict from candidate modes other than "
+                             f"'graph' to callables, got {memory_cost!r}.")
         self.record, self._fns = record, dict(candidates)
         self._margin, self._on_decision = margin, on_decision
-        self._heavy = memory_heavy
+        self._costs = dict(memory_cost)
 
     def _modes(self) -> list[str]:
         return [m for m, f in self._fns.items()
@@ -272,7 +310,7 @@ class StepTrial:
 
     def _first_graph_call(self, iterator):
         """The graph's first call, measuring what its tensors take; then the
-        memory-heavy modes that would not fit are skipped."""
+        modes whose memory would not fit are skipped."""
         rec = self.record
         before, rss0 = memory.allocator(), memory.process_rss()
         reset = before is not None and memory.reset_peak()
@@ -283,14 +321,13 @@ class StepTrial:
         elif rss0 is not None and rss1 is not None:
             rec.step_bytes = max(rss1 - rss0, 0)
         size = memory.footprint()
-        for mode in self._heavy:
-            if mode in rec.skipped or rec.step_bytes is None or size is None \
-                    or rec.step_bytes <= MEMORY_BUDGET * size:
+        for mode, cost in self._costs.items():
+            estimate = None if mode in rec.skipped or size is None else cost(rec)
+            if estimate is None or estimate[0] <= MEMORY_BUDGET * size:
                 continue
             rec.skipped[mode] = (
-                f"the step's tensors took {rec.step_bytes / 2**20:.0f} MiB, more than "
-                f"{MEMORY_BUDGET:.0%} of the {size / 2**20:.0f} MiB this process holds, and "
-                f"the step {_NAMES.get(mode, mode)} would keep a copy of its own")
+                f"{estimate[1]} would take about {estimate[0] / 2**20:.0f} MiB, more than "
+                f"{MEMORY_BUDGET:.0%} of the {size / 2**20:.0f} MiB this process holds")
             _log.info("keras_mp: this model's train step is not tried %s: %s.",
                       _NAMES.get(mode, mode), rec.skipped[mode])
         return out, cpu, wall
@@ -299,6 +336,8 @@ class StepTrial:
         rec = self.record
         if rec.decision is not None:
             return self._decided(iterator)
+        if getattr(_untimed, "on", False):
+            return self._fns["graph"](iterator)  # not a step to time (untimed()): graph
         if rec.owner is None:
             rec.owner = id(self)
         if rec.owner != id(self):
@@ -306,7 +345,7 @@ class StepTrial:
         modes = self._modes()
         mode = modes[rec.calls % len(modes)]
         fn = self._fns[mode]
-        if rec.calls == 0 and self._heavy:
+        if rec.calls == 0 and self._costs:
             out, cpu, wall = self._first_graph_call(iterator)
             modes = self._modes()
             if len(modes) == 1:

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import keras_mp
 from keras_mp import execution
-from keras_mp.execution import step_trial
+from keras_mp.execution import fused_update, step_trial
 from keras_mp.device import xla
 
 
@@ -159,7 +159,7 @@ def test_a_convolutional_model_does_not_try_the_whole_step_under_xla_on_a_cpu():
     dense = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
     dense.compile(optimizer="adam", loss="mse")
     assert "xla" in execution.candidate_modes(dense) or \
-        execution.choice._slow_matmul_reason(dense) is not None
+        execution.reasons.slow_matmul(dense) is not None
 
 
 def test_adaptive_precision_applies_the_mode(monkeypatch):
@@ -256,7 +256,7 @@ def xla_matmuls_not_slow(monkeypatch):
     """These tests are about the trial of all three modes: the XLA matmul floor
     (tested above) is measured by a micro-benchmark, which under the load of
     the suite's background pipelines can fall below the floor and drop "xla"."""
-    monkeypatch.setattr(execution.choice, "_slow_matmul_reason", lambda model: None)
+    monkeypatch.setattr(execution.reasons, "slow_matmul", lambda model: None)
 
 
 @pytest.mark.parametrize("factors, expected", [
@@ -306,8 +306,8 @@ def test_the_trial_releases_the_modes_it_did_not_choose(monkeypatch, xla_matmuls
     built = []
     build = execution.choice._build
 
-    def recorded(model, state, mode):
-        fn = build(model, state, mode)
+    def recorded(model, state, mode, switch=None):
+        fn = build(model, state, mode, switch)
         built.append((mode, weakref.ref(fn)))
         return fn
 
@@ -319,7 +319,8 @@ def test_the_trial_releases_the_modes_it_did_not_choose(monkeypatch, xla_matmuls
     model.fit(x, y, batch_size=8, verbose=0)
     assert execution.chosen(model) == "xla_update"
     gc.collect()
-    assert sorted(mode for mode, _ in built) == ["graph", "xla", "xla_update"]
+    # The graph and the update under XLA are one trace (a tf.cond on the update).
+    assert sorted(mode for mode, _ in built) == ["xla", "xla_update"]
     assert [mode for mode, ref in built if ref() is not None] == ["xla_update"]
     # Their traces too (TensorFlow's gradient registry held them:
     # keras_mp._gradients), the chosen one's alone is left.
@@ -401,7 +402,8 @@ def _trial(graph_bytes):
     decided = []
     trial = step_trial.StepTrial(step_trial.Record(), {"graph": mode("graph", graph_bytes),
                                                        "xla": mode("xla", 4)},
-                                 1.05, decided.append, memory_heavy=("xla",))
+                                 1.05, decided.append, memory_cost={"xla": lambda rec: (
+                                     rec.step_bytes, "a copy of the step's tensors")})
     return trial, calls, decided
 
 
@@ -425,15 +427,45 @@ def test_a_memory_heavy_mode_is_tried_only_where_it_fits(caplog):
         trial(None)
     assert calls["xla"] == step_trial.calls_to_decide(2) // 2 and len(decided) == 1
     assert trial.record.skipped == {} and trial.record.step_bytes < 0.05 * rss
-    with pytest.raises(ValueError, match="`memory_heavy`"):
+    with pytest.raises(ValueError, match="`memory_cost`"):
         step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 1.05, print,
-                             memory_heavy=("graph",))
+                             memory_cost={"graph": len})
 
 
-def test_adaptive_steps_share_one_trace_once_the_trial_decided(monkeypatch,
-                                                               xla_matmuls_not_slow):
-    # The trial times plain traces; after its decision, plain and statistics
-    # steps run one trace in the chosen mode, and the others are freed.
+def test_the_update_under_xla_is_tried_only_where_its_code_fits(monkeypatch, caplog):
+    # Its compiled code is per variable (fused_update.BYTES_PER_VARIABLE): a
+    # model whose update would not fit in the budget is not tried that way.
+    from keras_mp.device import memory
+
+    if memory.footprint() is None:
+        pytest.skip("no memory figures on this platform")
+    monkeypatch.setattr(execution.reasons, "slow_matmul", lambda model: "slow")
+    x, y = _data()
+    model = _model()
+    assert execution.candidate_modes(model) == ("graph", "xla_update")
+    monkeypatch.setattr(fused_update, "BYTES_PER_VARIABLE", 2**40)
+    assert execution.candidate_modes(model) == ("graph",)
+    with caplog.at_level(logging.INFO, logger="keras_mp"):
+        assert execution.configure(model, mode="auto") == "graph"
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert execution.chosen(model) == "graph"
+    said = [r.getMessage() for r in caplog.records if "compiled code for" in r.getMessage()]
+    assert len(said) == 1 and "for 4 variables" in said[0], said
+    # The user's own choice stands.
+    assert execution.configure(model, mode="xla_update") == "xla_update"
+    # At its measured size it fits, and is measured.
+    monkeypatch.setattr(fused_update, "BYTES_PER_VARIABLE", 2**20)
+    model = _model()
+    assert execution.configure(model, mode="auto") == "trial"
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert model.train_function.record.samples.keys() == {"graph", "xla_update"}
+
+
+def test_adaptive_steps_and_the_trial_share_one_trace(monkeypatch, xla_matmuls_not_slow):
+    # Plain and statistics steps run one trace from the first call, and the
+    # trial times the graph and the update under XLA on it (the whole step
+    # under XLA is a trace of its own, freed once the decision is taken).
+    # Statistics steps are not timed.
     _fake_clocks(monkeypatch, {"xla": 0.8, "xla_update": 0.6})
     x, y = _data(8 * 30)
     keras_mp.set_global_policy("adaptive_bfloat16")
@@ -444,13 +476,15 @@ def test_adaptive_steps_share_one_trace_once_the_trial_decided(monkeypatch,
         calls = step_trial.calls_to_decide(3)
         earlier = weakref.WeakSet(_train_step_graphs())
         model.fit(x[:8 * calls], y[:8 * calls], batch_size=8, verbose=0, callbacks=[cb])
-        # Statistics steps run as a graph, outside the trial: it still measures.
-        assert execution.measuring(model) and not cb._functions.shared
+        # 18 calls, 6 of them statistics steps: the trial counted 12 and measures on.
+        assert execution.measuring(model) and cb._functions.shared
+        gc.collect()
+        assert len([g for g in _train_step_graphs() if g not in earlier]) == 2
         model.fit(x[8 * calls:], y[8 * calls:], batch_size=8, verbose=0, callbacks=[cb])
         assert execution.chosen(model) == "xla_update" and cb._functions.shared
         gc.collect()
         assert len([g for g in _train_step_graphs() if g not in earlier]) == 1
-        assert cb._stats.read().steps == 10  # calls 3, 6, ..., 30, in either trace
+        assert cb._stats.read().steps == 10  # calls 3, 6, ..., 30
         assert model.optimizer.iterations.numpy() == 30
     finally:
         keras_mp.set_global_policy("float32")

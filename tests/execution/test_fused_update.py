@@ -18,20 +18,27 @@ def _variables():
             keras.Variable(np.ones((100,), "float32"))]
 
 
-def _run(optimizer, compiled, steps=5):
+def _run(optimizer, compiled, steps=5, switch=None):
+    """``steps`` updates; with ``switch``, one trace holding both ways
+    (``fused_update.switched``), the switch set to ``compiled(i)`` before step i."""
     variables = _variables()
     optimizer.build(variables)
     fused_update.install(optimizer)
 
     @tf.function
     def step(grads):
-        with fused_update.compiling(compiled):
+        with fused_update.compiling(compiled) if switch is None \
+                else fused_update.switched(switch):
             optimizer.apply(grads, variables)
 
     g0 = [tf.constant(np.sin(np.arange(6000)).reshape(60, 100).astype("float32")),
           tf.constant(np.cos(np.arange(100)).astype("float32"))]
     for i in range(steps):
+        if switch is not None:
+            switch.assign(compiled(i))
         step([g * (i + 1) for g in g0])
+    if switch is not None:
+        assert step.experimental_get_tracing_count() == 1
     graph = step.get_concrete_function([tf.TensorSpec(g.shape) for g in g0]).graph
     return [v.numpy() for v in variables], graph
 
@@ -51,6 +58,23 @@ def test_same_variables_as_the_graph(name):
     assert not _compiles(plain_graph) and _compiles(fused_graph)
     for a, b in zip(plain, fused):
         assert np.max(np.abs(a - b)) <= 1e-6 * np.max(np.abs(a))
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "lion"])
+def test_one_trace_switches_between_graph_and_xla_updates(name):
+    # The execution trial's trace: the update both ways under a tf.cond. Steps
+    # alternating between them give the graph's numbers, and the trace compiles.
+    make = lambda: keras.optimizers.get({"class_name": name,  # noqa: E731
+                                         "config": {"learning_rate": 1e-2}})
+    plain, _ = _run(make(), False)
+    switch = tf.Variable(False)
+    mixed, graph = _run(make(), lambda i: i % 2 == 1, switch=switch)
+    assert _compiles(graph)
+    for a, b in zip(plain, mixed):
+        assert np.max(np.abs(a - b)) <= 1e-6 * np.max(np.abs(a))
+    with pytest.raises(TypeError, match="`switch`"):
+        with fused_update.switched(tf.Variable(1.0)):
+            pass
 
 
 def test_loss_scale_wrapper_compiles_its_inner_optimizer():

@@ -1,0 +1,158 @@
+"""Why an execution mode cannot run, or cannot win, for a model: each rule
+returns a sentence naming the cause, or None where the mode may be tried.
+:func:`keras_mp.execution.choice.candidate_modes` tries a mode only where
+every rule for it says None, and logs the sentence where only the graph is
+left.
+
+Example:
+    >>> import keras
+    >>> from keras_mp.execution import reasons
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    >>> reasons.graph_only(model)
+    'the model runs eagerly (run_eagerly=True)'
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_mp.device import memory, xla
+from keras_mp.execution import fused_update, micro_benchmark, step_trial
+from keras_mp.execution.placement import compute_dtypes
+
+__all__ = ["MAPS_BUDGET", "XLA_MATMUL_FLOOR", "maps", "graph_only", "slow_matmul", "convolution",
+           "update_only", "update_memory"]
+
+#: Past this fraction of the process's memory maps (:func:`keras_mp.device.xla.memory_maps`),
+#: no new XLA compilation is tried.
+MAPS_BUDGET = 0.5
+#: The whole step is tried under XLA only where XLA's matmuls in the model's
+#: narrowest compute dtype reach this fraction of the graph's throughput
+#: (:func:`keras_mp.execution.profile`, matmuls only).
+XLA_MATMUL_FLOOR = 0.8
+
+
+def _check(model: keras.Model) -> None:
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+
+
+def maps() -> str | None:
+    """Why another XLA compilation could crash this process (None when not)."""
+    held = xla.memory_maps()
+    if held is None or held[0] <= MAPS_BUDGET * held[1]:
+        return None
+    return (f"this process holds {held[0]} of the {held[1]} memory maps Linux allows it "
+            "(vm.max_map_count) and TensorFlow never frees an XLA:CPU executable's, so "
+            "another XLA compilation could crash it; raise the limit (sysctl -w "
+            "vm.max_map_count=262144) or train new models in a new process")
+
+
+def graph_only(model: keras.Model) -> str | None:
+    """Why XLA cannot be used for this model at all (None when it can)."""
+    _check(model)
+    from keras.src.trainers.trainer import model_supports_jit
+
+    if getattr(model, "run_eagerly", False):
+        return "the model runs eagerly (run_eagerly=True)"
+    if getattr(model, "_distribute_strategy", None) is not None:
+        return "a distribution strategy is set (Keras does not compile its steps with XLA)"
+    opt = getattr(model, "optimizer", None)
+    if getattr(opt, "max_consecutive_skips", None) is not None:
+        return ("the optimizer sets max_consecutive_skips, whose message names variables "
+                "with string ops XLA cannot compile; set max_consecutive_skips=None to allow XLA")
+    if not model_supports_jit(model):
+        names = sorted({type(layer).__name__ for layer in model._flatten_layers()
+                        if not layer.supports_jit})
+        return f"layers that do not support XLA: {', '.join(names) or 'see Keras'}"
+    if not xla.xla_available():
+        return "XLA does not run on this device"
+    return maps()
+
+
+def slow_matmul(model: keras.Model) -> str | None:
+    """Why the whole step under XLA cannot win here (None when it may): XLA's
+    matmuls in the model's narrowest compute dtype run far slower than the
+    graph's. (On a 2-core AMD EPYC with AVX512-BF16, XLA:CPU's bfloat16 matmul
+    ran at 71 GFLOP/s against oneDNN's 147, and the whole bfloat16 step
+    under XLA lost on every bench model; each try costs an XLA compilation
+    that stays in memory.)"""
+    _check(model)
+    dtypes = compute_dtypes(model)
+    dtype = next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
+    speeds = micro_benchmark.profile(steps=False).matmul.get(dtype, {})
+    if "xla" not in speeds or "graph" not in speeds:
+        return None
+    if speeds["xla"] >= XLA_MATMUL_FLOOR * speeds["graph"]:
+        return None
+    return (f"XLA runs {dtype} matmuls at {speeds['xla']:.0f} GFLOP/s here against "
+            f"{speeds['graph']:.0f} as a TensorFlow graph")
+
+
+#: Convolution layers, which XLA:CPU runs without oneDNN.
+_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
+                 keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+                 keras.layers.Conv3DTranspose, keras.layers.DepthwiseConv1D,
+                 keras.layers.DepthwiseConv2D, keras.layers.SeparableConv1D,
+                 keras.layers.SeparableConv2D)
+
+
+def convolution(model: keras.Model) -> str | None:
+    """Why the whole step under XLA is not tried on a CPU (None when it may):
+    the model convolves, and XLA:CPU runs convolutions without oneDNN. A
+    small bfloat16 CNN ran 3x slower under XLA on a Xeon with AMX-BF16, and
+    ResNet50V2 4x slower on an AMD EPYC with AVX512-BF16. On that EPYC (2
+    cores), MobileNetV3Small's first 12 steps (float16, 32x32, batch 16) took
+    52 s of wall time with the whole step in the trial, 23 s without it."""
+    _check(model)
+    if xla.current_device_type() != "CPU":
+        return None
+    found = next((layer for layer in model._flatten_layers(include_self=False)
+                  if isinstance(layer, _CONVOLUTIONS)), None)
+    if found is None:
+        return None
+    return (f"XLA:CPU runs convolutions ({type(found).__name__} {found.name!r}) without "
+            "oneDNN, several times slower than the TensorFlow graph")
+
+
+def update_only(model: keras.Model) -> str | None:
+    """Why the optimizer's update alone cannot be compiled (None when it can)."""
+    _check(model)
+    if getattr(model, "run_eagerly", False):
+        return "the model runs eagerly (run_eagerly=True)"
+    if getattr(model, "_distribute_strategy", None) is not None:
+        return "a distribution strategy is set (the update holds its all-reduce)"
+    if getattr(model, "optimizer", None) is None:
+        return "the model has no optimizer"
+    reason = fused_update.unsupported_reason(model.optimizer)
+    if reason is not None:
+        return reason
+    if not xla.xla_available():
+        return "XLA does not run on this device"
+    if not xla.uses_xla("elementwise"):
+        return "keras_mp.set_xla('elementwise', False) keeps elementwise work out of XLA"
+    return maps()
+
+
+def update_memory(model: keras.Model) -> str | None:
+    """Why trying the update under XLA would cost more memory than the trial
+    may spend (None when it fits): XLA keeps its compiled code per variable
+    (:data:`keras_mp.execution.fused_update.BYTES_PER_VARIABLE`), more than
+    :data:`keras_mp.execution.step_trial.MEMORY_BUDGET` of the process here.
+    (Checked before anything is traced: a trace that holds the update both
+    ways costs memory even where the XLA branch never runs. ResNet50V2,
+    64x64, batch 16, 2-core AMD EPYC, adaptive precision: peak 1909 MiB with
+    that trace, 1747 with the graph's.)"""
+    _check(model)
+    size = memory.footprint()
+    opt = getattr(model, "optimizer", None)
+    if size is None or opt is None:
+        return None
+    count = len(fused_update.updated_variables(opt) or model.trainable_variables)
+    cost = count * fused_update.BYTES_PER_VARIABLE
+    if cost <= step_trial.MEMORY_BUDGET * size:
+        return None
+    return (f"the optimizer update under XLA would keep compiled code for {count} variables "
+            f"(about {cost / 2**20:.0f} MiB), more than {step_trial.MEMORY_BUDGET:.0%} of the "
+            f"{size / 2**20:.0f} MiB this process holds")
