@@ -22,7 +22,7 @@ import tensorflow as tf
 import keras_mp
 from keras_mp.adaptive import (autofit, controller, float8, forward, hooks, loss_scales,
                                optimizer_setup, state as precision_state, probe, report,
-                               scale_rule, stats, switching, tensorboard)
+                               scale_rule, stats, step_functions, switching, tensorboard)
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
@@ -39,7 +39,7 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
            "adaptive.float8", "adaptive.float8_policy", "adaptive.forward", "adaptive.hooks",
            "adaptive.loss_scales", "adaptive.optimizer_setup", "adaptive.policy",
            "adaptive.probe", "adaptive.report", "adaptive.rule", "adaptive.scale_rule",
-           "adaptive.state", "adaptive.stats", "adaptive.switching",
+           "adaptive.state", "adaptive.stats", "adaptive.step_functions", "adaptive.switching",
            "adaptive.tensorboard", "callbacks", "cli", "cli.command", "cli.demo",
            "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
            "device", "device.capabilities", "device.memory", "device.xla", "distribute",
@@ -412,6 +412,17 @@ CASES = [
      "`model`"),
     # stats
     ("adaptive.stats.LayerStatistics", lambda: stats.LayerStatistics([]), ValueError, "`layers`"),
+    ("adaptive.step_functions.probe_function", lambda: step_functions.probe_function(
+        "model", len, len), TypeError, "`model`"),
+    ("adaptive.step_functions.probe_function", lambda: step_functions.probe_function(
+        _model(), "run", len), TypeError, "`run`"),
+    ("adaptive.step_functions.probe_function", lambda: step_functions.probe_function(
+        _model(), len, None), TypeError, "`accumulate`"),
+    ("adaptive.step_functions.StepFunctions", lambda: step_functions.StepFunctions(
+        _model(), None, "hooks", len, probe=None, gateable=True), TypeError, "`hooks`"),
+    ("adaptive.step_functions.StepFunctions", lambda: step_functions.StepFunctions(
+        _model(), None, hooks.Hooks(_model(), []), len, probe="probe", gateable=True),
+     TypeError, "`probe`"),
     ("adaptive.stats.LayerStatistics", lambda: stats.LayerStatistics(["dense"]), TypeError, "`layers`"),
     ("adaptive.stats.LayerStatistics", lambda: stats.LayerStatistics(
         _model().layers, scale_floor=-1.0), ValueError, "`scale_floor`"),

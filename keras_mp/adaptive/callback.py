@@ -22,9 +22,9 @@ What the callback does, and when:
   forward statistics, one in ``statistics_every``) or probe (statistics plus
   the float32 probe, one in ``probe_every``). Plain and statistics steps share
   one trace whose statistics run only when a switch is on
-  (:mod:`keras_mp.adaptive.hooks`), once the execution trial has chosen the
-  mode; while it measures, they are two traces (the trial times the plain
-  one, without a statistics op in it). The probe has a trace of its own;
+  (:mod:`keras_mp.adaptive.hooks`); the execution trial times its plain
+  steps. The probe is traced on its own and runs on the batch the
+  statistics step then trains on (:mod:`keras_mp.adaptive.step_functions`);
 * every ``interval`` calls: reads the statistics once, asks
   :func:`keras_mp.adaptive.controller.decide`, assigns the new dtypes in the policy and
   rebuilds the train functions only if a dtype (or a trial) changed.
@@ -43,6 +43,7 @@ variables win if they differ from the policy: they were just restored.
 
 Example:
     >>> import keras, numpy as np, keras_mp
+    >>> keras.utils.set_random_seed(0)  # the probe's verdict depends on the weights
     >>> keras_mp.set_global_policy("adaptive_bfloat16")
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
     ...                           keras.layers.Dense(1)])
@@ -70,6 +71,7 @@ from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.hooks import Hooks
 from keras_mp.adaptive.policy import AdaptivePolicy
 from keras_mp.adaptive.state import PrecisionState, attached
+from keras_mp.adaptive import step_functions
 from keras_mp.adaptive.step_functions import StepFunctions
 from keras_mp.adaptive.stats import IntervalStats, LayerStatistics
 from keras_mp.scaling import loss_scale as loss_scale_lib
@@ -184,6 +186,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._epoch_switches = 0
         self._restored = False
         self._probe_fn = None
+        self._probe_step = None  # step_functions.probe_function, for fit and for probe()
 
     # -- set-up ------------------------------------------------------------
 
@@ -230,13 +233,13 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._scales.install(self._forward_order())
         execution.configure(model)  # XLA or graph: the faster measured here
         self._probe_fn = self._make_probe() if _is_keras_train_step(model) else None
-        hooks.probe_fn = self._probe_fn
+        self._probe_step = None
         # Custom loops (and later traces): statistics on every training call.
         hooks.forward = True
         if optimizer is not getattr(self, "_optimizer", None) or model.train_function is None:
             # Recompiled, wrapped just now, or reset by the user: trace anew.
             # Otherwise a later fit reuses the traces of the last one.
-            self._functions = None
+            self._functions = self._probe_step = None
         self._optimizer = optimizer
         self._restored = False
 
@@ -279,15 +282,25 @@ class AdaptivePrecision(keras.callbacks.Callback):
         return policy.layer_loss_scales or own
 
     def _make_probe(self):
-        model, policy, layers = self.model, self._policy, self._layers
+        model, policy, layers, hooks = self.model, self._policy, self._layers, self._hooks
 
         def run(data):
             opt = model.optimizer
             scale = opt.loss_scale if isinstance(opt, LossScaleOptimizer) else 1.0
-            return probe_lib.probe(model, data, policy, layers, scale=scale,
-                                   trial=self._trial_dtypes(),
-                                   variable_factors=self._scales.variable_factors())
+            with hooks.paused():  # the probe's passes record no forward statistics
+                return probe_lib.probe(model, data, policy, layers, scale=scale,
+                                       trial=self._trial_dtypes(),
+                                       variable_factors=self._scales.variable_factors())
         return run
+
+    def _probe_function(self):
+        """The probe traced on its own (for fit's probe steps and for
+        :meth:`probe`), anew whenever the train functions are: the dtypes
+        and trials it runs are fixed when it is traced."""
+        if self._probe_step is None:
+            self._probe_step = step_functions.probe_function(
+                self.model, self._probe_fn or self._make_probe(), self._stats.accumulate_probe)
+        return self._probe_step
 
     def _trial_dtypes(self) -> dict[str, str]:
         return switching.trial_dtypes(self._policy, self._paths, self._states())
@@ -314,7 +327,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._functions = None  # the train functions are rebuilt at the next step
+        self._functions = self._probe_step = None  # rebuilt at the next step
         model = self.model
         if getattr(model, "train_function", None) is not None:
             model.make_train_function(force=True)
@@ -333,10 +346,10 @@ class AdaptivePrecision(keras.callbacks.Callback):
         each traced on its first call."""
         if self._functions is None:
             self._scales.install(self._forward_order())
+            probes = self._probe_fn is not None and bool(self.probe_every)
             self._functions = StepFunctions(
                 self.model, self._optimizer, self._hooks, self._stats.accumulate,
-                probe=self._probe_fn is not None and bool(self.probe_every),
-                gateable=self._gateable())
+                probe=self._probe_function() if probes else None, gateable=self._gateable())
         return self._functions.functions
 
     # -- Keras hooks -------------------------------------------------------
@@ -416,15 +429,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             raise ValueError("Call set_model(model) before probe().")
         if self._inert:
             return
-        if getattr(self, "_probe_step", None) is None:
-            run = self._make_probe()
-            stats = self._stats
-
-            @tf.function
-            def step(batch):
-                stats.accumulate_probe(run(batch))
-            self._probe_step = step
-        self._probe_step(data)
+        self._probe_function()(data)
 
     def update(self) -> list[dict[str, Any]]:
         """Decides now on the statistics accumulated since the last decision,

@@ -1,7 +1,7 @@
 """Trace-time hooks: how the adaptive policy sees inside a Keras train step.
 
 Keras has no forward hooks, and the adaptive policy must not cost anything on
-the steps where it does not look. :class:`Hooks` wraps, per instance, three
+the steps where it does not look. :class:`Hooks` wraps, per instance, the
 callables that Keras looks up when it traces a step:
 
 * each controlled layer's ``call`` (``quantized_call`` for a float8-capable
@@ -9,9 +9,6 @@ callables that Keras looks up when it traces a step:
   layer's forward statistics (:mod:`keras_mp.adaptive.forward`) and the order in which
   layers are called (the forward order, input first); a float8-capable
   layer's call also reports its float8 evidence, forward and backward;
-* the model's ``train_step``: on a probe trace, first runs the float32 probe
-  (:mod:`keras_mp.adaptive.probe`) on the same batch, applying nothing, then
-  the step itself (after the probe, so that their tensors do not add up);
 * the optimizer's ``apply``, where the optimizer is not a
   :class:`keras_mp.LossScaleOptimizer` (which has its own
   ``statistics_sink``): on a statistics trace, measures the gradients
@@ -33,8 +30,9 @@ statistics sit in a ``tf.cond`` that runs them only while the switch is on, and
 what the step accumulates is kept only then (a :class:`keras_mp.LossScaleOptimizer`
 reads the switch through its ``statistics_gate``).
 :class:`keras_mp.callbacks.AdaptivePrecision` trains plain and statistics steps
-with one such trace once the execution mode is decided (the probe keeps a trace
-of its own): a separate statistics trace holds a second copy of the whole step.
+with one such trace (the float32 probe is a traced function of its own,
+:mod:`keras_mp.adaptive.step_functions`): a separate statistics trace holds a
+second copy of the whole step.
 On ResNet50V2 (64x64, batch 16, 2-core AMD EPYC, 20 calls, the graph) the
 statistics trace added 21,469 graph operations to the process and grew it by
 288-413 MiB; its forward statistics were 1,585 of those operations (55 MiB),
@@ -44,10 +42,10 @@ bench's CNN from 844 to 805 MiB (30 steps). A plain step of a gated trace skips
 the statistics (a ``tf.cond`` per layer, its branch not taken): in one process,
 5 interleaved rounds, gated against separate traces, process CPU ms per step,
 ResNet50V2 600.0 / 610.8, the CNN 184.3 / 184.8, the bench's Transformer 1074.7 /
-1065.3 (spreads 40-100 ms). The forward statistics and probe results recorded while a step
-is traced wait in the hooks (per graph and thread) until the statistics sink of the same
-trace takes them (:meth:`Hooks.take`), so one all-reduce and one accumulation
-serve gradients, forward statistics and the probe alike.
+1065.3 (spreads 40-100 ms). The forward statistics recorded while a step is traced wait
+in the hooks (per graph and thread) until the statistics sink of the same trace takes
+them (:meth:`Hooks.take`), so one all-reduce and one accumulation serve gradients and
+forward statistics alike.
 
 Example (what a statistics trace records):
     >>> import keras, tensorflow as tf
@@ -76,7 +74,6 @@ import tensorflow as tf
 
 from keras_mp._installed import install_method, installed
 from keras_mp.adaptive import float8, forward
-from keras_mp.adaptive import probe as probe_lib
 from keras_mp.scaling import kernels, layer_scales
 
 __all__ = ["Hooks"]
@@ -106,8 +103,6 @@ class Hooks:
 
     Attributes:
         forward: record forward statistics in the step being traced.
-        probe: run the probe (``probe_fn``) in the train step being traced.
-        probe_fn: ``probe_fn(data)`` -> result tensors, set by the owner.
         call_order: layer indices in the order of their first call in the
             last statistics trace (the forward order), or empty.
         layer_scale_of: per-layer loss scales: ``layer_scale_of(index)`` ->
@@ -126,11 +121,9 @@ class Hooks:
         self.model = model
         self.layers = list(layers)
         self.forward = False
-        self.probe = False
         self.gated = False
         self._switch: tf.Variable | None = None
         self._switch_on: bool | None = None
-        self.probe_fn: Callable | None = None
         self.call_order: list[int] = []
         self.layer_scale_of: Callable[[int], tf.Tensor] | None = None
         self.boundaries: set[int] = set()
@@ -140,33 +133,28 @@ class Hooks:
         self._order: list[int] = []
         for i, layer in enumerate(self.layers):
             self._wrap_call(i, layer)
-        self._wrap_train_step()
 
     # -- recording ------------------------------------------------------------
 
     @contextlib.contextmanager
-    def recording(self, *, forward: bool = False, probe: bool = False,
-                  gated: bool = False) -> Iterator[None]:
+    def recording(self, *, forward: bool = False, gated: bool = False) -> Iterator[None]:
         """Sets the flags for the step traced inside the block, then clears them.
 
         Args:
             forward: record statistics (forward, gradients, boundaries).
-            probe: run the probe.
             gated: the statistics run only on steps where the switch
-                (:meth:`set_statistics`) is on; needs ``forward`` and
-                not ``probe``.
+                (:meth:`set_statistics`) is on; needs ``forward``.
         """
-        if gated and (not forward or probe):
-            raise ValueError("`gated`=True needs `forward`=True and `probe`=False, got "
-                             f"forward={forward!r}, probe={probe!r}.")
+        if gated and not forward:
+            raise ValueError(f"`gated`=True needs `forward`=True, got forward={forward!r}.")
         if gated:
             self.switch()
-        old = (self.forward, self.probe, self.gated)
-        self.forward, self.probe, self.gated = forward, probe, gated
+        old = (self.forward, self.gated)
+        self.forward, self.gated = forward, gated
         try:
             yield
         finally:
-            self.forward, self.probe, self.gated = old
+            self.forward, self.gated = old
 
     def switch(self) -> tf.Variable:
         """The boolean variable a gated trace reads: True on statistics steps
@@ -346,24 +334,6 @@ class Hooks:
 
         install_method(layer, name, make)
 
-    def _wrap_train_step(self) -> None:
-        hooks = self
-
-        def make(original):
-            @functools.wraps(original)
-            def train_step(data):
-                if hooks.probe and hooks.probe_fn is not None:
-                    with hooks.paused():
-                        result = hooks.probe_fn(data)
-                    hooks._slot()["probe"] = result
-                    # The real step after the probe, not beside it: their
-                    # tensors are never alive together.
-                    data = probe_lib.after(data, result)
-                return original(data)
-            return train_step
-
-        install_method(self.model, "train_step", make)
-
     def hook_optimizer(self, optimizer, sink: Callable) -> None:
         """Measures gradients for ``sink`` in ``optimizer.apply`` on statistics
         traces (for optimizers without a ``statistics_sink`` of their own)."""
@@ -385,15 +355,14 @@ class Hooks:
 
         install_method(optimizer, "apply", make)
 
-    def take(self) -> tuple[tf.Tensor | None, tf.Tensor | None, object, tf.Tensor | None]:
+    def take(self) -> tuple[tf.Tensor | None, tf.Tensor | None, tf.Tensor | None]:
         """What the step being traced recorded, and forgets it.
 
         Returns:
-            ``(forward, observed, probe, backward)``: forward statistics as a
+            ``(forward, observed, backward)``: forward statistics as a
             ``[len(layers), len(forward.FIELDS)]`` tensor (zeros where a layer
             was not called) and a ``[len(layers)]`` 0/1 tensor saying which
-            were, or None, None if nothing was recorded; ``probe`` is what
-            ``probe_fn`` returned, or None; ``backward`` the largest gradient
+            were, or None, None if nothing was recorded; ``backward`` the largest gradient
             at each layer's loss-scale boundaries (``[len(layers)]``, at the
             global scale), or None.
         """
@@ -401,17 +370,16 @@ class Hooks:
         back = pending.get("backward", {})
         backward = tf.stack([back.get(i, tf.constant(0.0)) for i in range(len(self.layers))]) \
             if back else None
-        if not {"forward", "calls", "probe"} & pending.keys():
-            return None, None, None, backward
+        if not {"forward", "calls"} & pending.keys():
+            return None, None, backward
         seen = pending.get("forward", {})
         if pending.get("calls"):
             seen = {**seen, **self._gated_rows(pending["calls"])}
         f8 = pending.get("float8", {})
-        probe = pending.get("probe", None)
         if self._order:
             self.call_order = list(self._order)
         if not seen:
-            return None, None, probe, backward
+            return None, None, backward
         zeros = tf.zeros([len(forward.RAW_FIELDS)])
         dtypes = pending.get("dtypes", {})
         rows = forward.finish(tf.stack([seen.get(i, zeros) for i in range(len(self.layers))]),
@@ -420,5 +388,5 @@ class Hooks:
             rows = tf.stack([forward.with_float8(r, f8[i]) if i in f8 else r
                              for i, r in enumerate(tf.unstack(rows))])
         observed = tf.constant([1.0 if i in seen else 0.0 for i in range(len(self.layers))])
-        return rows, observed, probe, backward
+        return rows, observed, backward
 

@@ -295,8 +295,8 @@ class AdaptivePolicy(DTypePolicyMap):
     @contextlib.contextmanager
     def overriding(self, dtypes: dict[str, str]) -> Iterator[None]:
         """Layers at these paths compute in these dtypes inside the block,
-        without a change of the assignments (the float32 probe traces a step
-        this way).
+        without a change of the assignments (the float32 probe traces its
+        passes this way).
 
         Example:
             >>> p = AdaptivePolicy(candidates=("bfloat16", "float32"))

@@ -28,8 +28,9 @@ weighted by tensor size, and averaged over steps and replicas):
 * the float32 probe's results (:mod:`keras_mp.adaptive.probe`), averaged over the
   valid probes of the interval.
 
-Gradients, forward statistics and probe results of one step agree across
-replicas in one all-reduce.
+Gradients and forward statistics of one step agree across replicas in one
+all-reduce; a probe's results (:meth:`LayerStatistics.accumulate_probe`) in
+one of their own.
 
 Example, as a custom loop would use it:
     >>> import keras, keras_mp, tensorflow as tf
@@ -159,8 +160,9 @@ def _probe_rows(probe) -> tuple[tf.Tensor, tf.Tensor]:
 
 class LayerStatistics(keras.layers.Layer):
     """Accumulates per-layer statistics on device: the optimizer's gradient
-    statistics, and the forward statistics and probe results that the
-    model's :class:`keras_mp.adaptive.hooks.Hooks` recorded in the same step.
+    statistics and the forward statistics that the model's
+    :class:`keras_mp.adaptive.hooks.Hooks` recorded in the same step, and
+    the probe's results (:meth:`accumulate_probe`).
 
     It is a Keras layer only so that its variables are saved and restored
     with the model it is attached to (a run resumed mid-interval keeps its
@@ -273,32 +275,25 @@ class LayerStatistics(keras.layers.Layer):
         # "every layer": every layer with gradients
         everywhere = tf.reduce_min(tf.where(with_grads > 0, bad, 1.0))
 
-        fwd, observed, probe, backward = self.hooks.take() if self.hooks is not None \
-            else (None, None, None, None)
+        fwd, observed, backward = self.hooks.take() if self.hooks is not None \
+            else (None, None, None)
         backward = tf.zeros([n]) if backward is None else backward / scale[0]
         if fwd is None:
             fwd = tf.zeros([n, len(forward.FIELDS)])
             observed = tf.zeros([n])
         fwd = tf.transpose(fwd)  # [fields, n]
         k_max = len(forward.MAX_FIELDS)
-        if probe is None:
-            p_counts, p_layers = tf.zeros([3]), tf.zeros([3, n])
-        else:
-            p_counts, p_layers = _probe_rows(probe)
-        (fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, p_counts,
-         p_layers, backward) = agree([
+        (fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, backward) = agree([
             (fr, "mean"), (bad, "max"), (amax, "max"), (everywhere, "max"), (scale, "mean"),
-            (fwd[:k_max], "max"), (fwd[k_max:], "max"), (observed, "max"), (p_counts, "mean"),
-            (p_layers, "mean"), (backward, "max")])
+            (fwd[:k_max], "max"), (fwd[k_max:], "max"), (observed, "max"), (backward, "max")])
         step = tf.ones([1])
         on = self.hooks.statistics_on() if self.hooks is not None else None
         if on is not None:
             # A gated trace's plain step adds nothing (every quantity here
             # is accumulated by a sum or by a maximum with values >= 0).
-            (step, fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, p_counts,
-             p_layers, backward) = (tf.where(on, t, tf.zeros_like(t)) for t in (
-                step, fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, p_counts,
-                p_layers, backward))
+            (step, fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, backward) = (
+                tf.where(on, t, tf.zeros_like(t)) for t in (
+                    step, fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, backward))
         self.fraction_sums.assign_add(fr)
         self.nonfinite_steps.assign_add(bad)
         self.amax.assign(tf.maximum(self.amax.value, amax))
@@ -307,13 +302,12 @@ class LayerStatistics(keras.layers.Layer):
         self.forward_sums.assign(tf.concat([
             tf.maximum(old[:k_max], fwd_max), old[k_max:-1] + fwd_sum, old[-1:] + observed[None]],
             0))
-        self.probe_sums.assign_add(p_layers)
-        self.probe_counters.assign_add(p_counts)
         self.backward_amax.assign(tf.maximum(self.backward_amax.value, backward))
 
     def accumulate_probe(self, result) -> None:
-        """Adds one probe's results (a :class:`keras_mp.adaptive.probe.ProbeResult`)
-        outside a train step (custom loops); agrees across replicas."""
+        """Adds one probe's results (a :class:`keras_mp.adaptive.probe.ProbeResult`),
+        traced beside the train step (:mod:`keras_mp.adaptive.step_functions`);
+        agrees across replicas."""
         counts, per_layer = agree([(t, "mean") for t in _probe_rows(result)])
         self.probe_sums.assign_add(per_layer)
         self.probe_counters.assign_add(counts)

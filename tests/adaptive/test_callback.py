@@ -269,6 +269,48 @@ def test_one_trace_for_plain_and_statistics_steps_gathers_the_same(policy):
                                        err_msg=field)
 
 
+class _Counting(keras.layers.Dense):
+    """Counts its Python calls: one per trace of a pass through the model."""
+    traced = 0
+
+    def call(self, inputs):
+        _Counting.traced += 1
+        return super().call(inputs)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_a_probe_step_traces_only_the_probe_and_trains_every_batch(steps_per_execution):
+    # The probe step hands its batches to the statistics step's trace: the
+    # probe is the only new trace (its three passes), and every batch trains.
+    traced, iterations, probes = {}, {}, {}
+    for probe_every in (None, 2):
+        keras.utils.set_random_seed(0)
+        policies.set_global_policy("adaptive_bfloat16")
+        model = keras.Sequential([keras.Input((4,)), _Counting(8), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=steps_per_execution)
+        keras_mp.execution.configure(model, mode="graph")
+        cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=probe_every)
+        _Counting.traced = 0
+        model.fit(*_xy(72), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 9 batches
+        traced[probe_every] = _Counting.traced
+        iterations[probe_every] = int(model.optimizer.iterations)
+        probes[probe_every] = cb._stats.read().probe_steps
+    assert traced[2] - traced[None] == 3
+    assert iterations == {None: 9, 2: 9}
+    calls = -(-9 // steps_per_execution)
+    assert probes == {None: 0, 2: calls // 2}
+
+
+def test_the_probe_under_mirrored_strategy_counts_once_per_probe():
+    with two_replica_mirrored_strategy().scope():
+        model = _small("adaptive_bfloat16")
+    cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=2)
+    model.fit(*_xy(32), batch_size=8, epochs=1, verbose=0, callbacks=[cb])
+    interval = cb._stats.read()
+    assert interval.steps == 2 and interval.probe_steps == 2
+    assert all(0 <= s.grad_error < 0.1 for s in interval.layers)
+
+
 def test_history_and_tensorboard_logging(tmp_path):
     model = _small("adaptive_bfloat16")
     policies.policy_of(model).assign(model.layers[0].path, "float32")
