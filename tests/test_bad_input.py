@@ -56,7 +56,7 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
 NO_ARGUMENTS = {
     "distribute.keras_multi_worker_faults", "distribute.patch_multi_worker",
     "distribute.patched_faults", "distribute.unpatch_multi_worker",
-    "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "execution.reasons.maps", "datasets.default_data_dir",
+    "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "device.xla.disabled", "execution.reasons.maps", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
@@ -228,6 +228,9 @@ CASES = [
      (TypeError, ValueError), "axis"),
     ("fused.layers.Softmax", lambda: layers.Softmax(axis=5)(x2), (ValueError, tf.errors.OpError),
      "axis|dim"),
+    ("fused.layers.BatchNormalization",
+     lambda: layers.BatchNormalization()(tf.ones([2, 2, 2, 2]), mask=tf.ones([2])), ValueError,
+     "mask"),
     ("fused.layers.MultiHeadAttention", lambda: layers.MultiHeadAttention(num_heads=0, key_dim=2),
      ValueError, "num_heads"),
     # loss_scale
@@ -266,6 +269,10 @@ CASES = [
     ("fused.ops.multi_head_attention_reference", lambda: ops.multi_head_attention_reference(
         tf.ones([1, 2, 4]), tf.ones([1, 2, 4]), tf.ones([1, 2, 4]), [], scale=1.0), ValueError,
      "`weights`"),
+    ("fused.ops.batch_norm", lambda: ops.batch_norm(x2), ValueError, "`x`"),
+    ("fused.ops.batch_norm", lambda: ops.batch_norm(tf.ones([2, 2, 2, 2]), epsilon=1e-6),
+     ValueError, "`epsilon`"),
+    ("fused.ops.batch_norm_reference", lambda: ops.batch_norm_reference(x2), ValueError, "`x`"),
     ("fused.ops.layer_norm", lambda: ops.layer_norm(x2, epsilon=-1.0), ValueError, "`epsilon`"),
     ("fused.ops.layer_norm_reference", lambda: ops.layer_norm_reference(x2, epsilon=-1.0), ValueError,
      "`epsilon`"),
@@ -524,6 +531,9 @@ CASES = [
     ("execution.reasons.slow_matmul", lambda: execution.reasons.slow_matmul("m"), TypeError, "`model`"),
     ("execution.reasons.convolution", lambda: execution.reasons.convolution("m"), TypeError, "`model`"),
     ("execution.reasons.update_only", lambda: execution.reasons.update_only("m"), TypeError, "`model`"),
+    ("execution.reasons.little_to_compile", lambda: execution.reasons.little_to_compile("m"),
+     TypeError, "`model`"),
+    ("execution.trace_scope", lambda: execution.trace_scope("m"), TypeError, "`model`"),
     ("execution.reasons.update_memory", lambda: execution.reasons.update_memory("m"), TypeError, "`model`"),
     ("execution.fused_update.install", lambda: fused_update.install("adam"), TypeError, "`optimizer`"),
     ("execution.fused_update.is_installed", lambda: fused_update.is_installed(None), TypeError,

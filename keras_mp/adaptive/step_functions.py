@@ -65,7 +65,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mp.execution import step_trial
+from keras_mp.execution import choice, step_trial
 from keras_mp.adaptive.hooks import Hooks
 from keras_mp.device import memory
 from keras_mp.scaling.optimizer import LossScaleOptimizer
@@ -110,7 +110,8 @@ def probe_function(model: keras.Model, run: Callable[[Any], Any],
 
     @tf.function(reduce_retracing=True)
     def probe_step(batch):
-        strategy.run(replica, args=(batch,))
+        with choice.trace_scope(model):  # traced as the model's train step is
+            strategy.run(replica, args=(batch,))
 
     return memory.released_after_first_call(probe_step)
 

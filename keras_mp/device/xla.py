@@ -46,15 +46,16 @@ replaces that default by a measurement for the activations the model uses.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["Kind", "set_xla", "uses_xla", "jit", "xla_available", "cpu_has_bf16_matmul",
+__all__ = ["Kind", "set_xla", "uses_xla", "disabled", "jit", "xla_available", "cpu_has_bf16_matmul",
            "set_measured_default", "fuses_epilogue", "set_measured_epilogue", "memory_maps"]
 
 Kind = Literal["elementwise", "matmul", "multi_tensor"]
@@ -71,6 +72,7 @@ _overrides: dict[str, bool] = {}
 _measured: dict[tuple[str, str], bool] = {}  # (kind, device type) -> measured default
 _available: dict[str, bool] = {}
 _lock = threading.Lock()
+_local = threading.local()  # .disabled: depth of disabled() scopes in this thread
 _log = logging.getLogger("keras_mp")
 
 F = TypeVar("F", bound=Callable)
@@ -282,12 +284,40 @@ def uses_xla(kind: Kind, device_type: str | None = None) -> bool:
         True
     """
     _check_kind(kind)
+    if getattr(_local, "disabled", 0):
+        return False  # before xla_available: a scope without XLA never starts its runtime
     device_type = device_type or current_device_type()
     if kind in _overrides:
         wanted = _overrides[kind]
     else:
         wanted = _default(kind, device_type)
     return wanted and xla_available(device_type)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within it, in this thread, :func:`uses_xla` says False for every kind
+    of work, so that what is traced inside (a model's train step) runs its
+    reference TensorFlow ops and compiles nothing; nor is XLA probed.
+
+    :mod:`keras_mp.execution` traces a model's steps inside it where the XLA
+    work keras_mp would add is too little to pay for XLA's runtime, which a
+    process loads on its first compilation and keeps: 47 MiB of resident
+    memory on a 2-core AMD EPYC (:func:`keras_mp.execution.reasons.little_to_compile`).
+
+    Example:
+        >>> from keras_mp.device import xla
+        >>> with xla.disabled():
+        ...     xla.uses_xla("elementwise")
+        False
+        >>> xla.uses_xla("elementwise", "CPU")
+        True
+    """
+    _local.disabled = getattr(_local, "disabled", 0) + 1
+    try:
+        yield
+    finally:
+        _local.disabled -= 1
 
 
 def jit(kind: Kind = "elementwise") -> Callable[[F], F]:

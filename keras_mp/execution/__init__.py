@@ -31,7 +31,11 @@ and by wall time (:mod:`keras_mp.execution.step_trial`). XLA is not tried at all
 where the model cannot use it: a layer without ``supports_jit``, a
 distribution strategy, an optimizer that needs graph-only ops
 (``max_consecutive_skips`` names variables with string ops, which XLA
-cannot compile), ``run_eagerly``.
+cannot compile), ``run_eagerly``; nor, on a CPU, where it could not pay for
+itself: a model whose convolutions hold nearly all its weights, with small
+outputs (:func:`~keras_mp.execution.reasons.little_to_compile`), is traced
+with no XLA at all (:func:`trace_scope`), so that XLA's runtime (47 MiB of a
+2-core EPYC's process) is never loaded for it.
 
 :func:`configure` applies the choice to a compiled model; the
 :class:`~keras_mp.callbacks.AdaptivePrecision` callback calls it, so the
@@ -66,7 +70,7 @@ Example:
     True
 
 One module per part: :mod:`~keras_mp.execution.choice` (:func:`configure`,
-:func:`chosen`, :func:`measuring`, :func:`candidate_modes`), :mod:`~keras_mp.execution.reasons`
+:func:`chosen`, :func:`measuring`, :func:`candidate_modes`, :func:`trace_scope`), :mod:`~keras_mp.execution.reasons`
 (why a mode cannot run or cannot win for a model), :mod:`~keras_mp.execution.step_trial`
 (the measurement on the model's first calls), :mod:`~keras_mp.execution.fused_update`
 (the ``xla_update`` mode), :mod:`~keras_mp.execution.micro_benchmark` (the device-wide
@@ -77,10 +81,11 @@ matmuls and epilogues).
 from keras_mp.execution import (choice, fused_update, micro_benchmark, placement, reasons,
                                 step_trial)
 from keras_mp.execution.choice import (ENV_VAR, MAPS_BUDGET, MODES, candidate_modes, chosen,
-                                       configure, measuring)
+                                       configure, measuring, trace_scope)
 from keras_mp.execution.placement import epilogue
 from keras_mp.execution.micro_benchmark import MARGIN, ExecutionProfile, choose, profile
 
 __all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose",
-           "configure", "chosen", "measuring", "candidate_modes", "epilogue", "choice", "fused_update",
+           "configure", "chosen", "measuring", "candidate_modes", "trace_scope", "epilogue", "choice",
+           "fused_update",
            "micro_benchmark", "placement", "reasons", "step_trial"]

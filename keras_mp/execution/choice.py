@@ -33,7 +33,7 @@ from keras_mp.execution.micro_benchmark import MARGIN
 from keras_mp.execution.reasons import MAPS_BUDGET, XLA_MATMUL_FLOOR
 
 __all__ = ["MODES", "ENV_VAR", "MAPS_BUDGET", "XLA_MATMUL_FLOOR", "configure", "chosen",
-           "measuring", "candidate_modes"]
+           "measuring", "candidate_modes", "trace_scope"]
 
 #: Accepted values of ``mode`` and of the ``KERAS_MP_EXECUTION`` variable.
 MODES: tuple[str, ...] = ("auto", "xla", "xla_update", "graph", "keep")
@@ -82,6 +82,8 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     state = _state_of(model)
     failed = state.failed if state is not None else set()
     modes = ["graph"]
+    if reasons.little_to_compile(model) is not None:
+        return tuple(modes)  # asks nothing that would start XLA's runtime
     if reasons.update_only(model) is None and "xla_update" not in failed \
             and reasons.update_memory(model) is None:
         modes.append("xla_update")
@@ -110,13 +112,15 @@ def _decide(model: keras.Model, state: _State) -> str:
         return "graph"
     if len(candidate_modes(model)) == 1:
         if not state.told:
-            reason = (reasons.graph_only(model) or reasons.update_only(model)
-                      or reasons.update_memory(model) or "XLA could not compile it")
-            if reasons.graph_only(model) is None:
-                # The convolution rule first: it measures nothing.
-                why_not_xla = reasons.convolution(model) or reasons.slow_matmul(model)
-                if why_not_xla is not None:
-                    reason = f"{why_not_xla}, and {reason}"
+            reason = reasons.little_to_compile(model)
+            if reason is None:
+                reason = (reasons.graph_only(model) or reasons.update_only(model)
+                          or reasons.update_memory(model) or "XLA could not compile it")
+                if reasons.graph_only(model) is None:
+                    # The convolution rule first: it measures nothing.
+                    why_not_xla = reasons.convolution(model) or reasons.slow_matmul(model)
+                    if why_not_xla is not None:
+                        reason = f"{why_not_xla}, and {reason}"
             _log.log(logging.WARNING if "memory maps" in reason else logging.INFO,
                      "keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
             state.told = True
@@ -189,11 +193,46 @@ def _build(model: keras.Model, state: _State, mode: str,
     if mode == "xla_update":
         fused_update.install(model.optimizer)
         fn = _with_update(fn, switch)
+    if mode == "graph" and reasons.little_to_compile(model) is not None:
+        return _in_scope(fn, xla.disabled)  # mode="xla_update"/"xla" asked for keeps its XLA
     if not xla.uses_xla("elementwise"):
         return fn
     losses = fused_losses.fusable_losses(model)
     metrics = fused_metrics.fusable_metrics(model)
     return _with_fused(fn, losses, metrics) if losses or metrics else fn
+
+
+def _in_scope(fn: Callable[..., Any], scope: Callable[[], Any]) -> Callable[..., Any]:
+    """``fn``, called (and so traced) inside ``scope()``."""
+
+    def step_function(*args, **kwargs):
+        with scope():
+            return fn(*args, **kwargs)
+
+    return step_function
+
+
+def trace_scope(model: keras.Model) -> contextlib.AbstractContextManager:
+    """The context in which keras_mp traces a step of ``model`` in the
+    graph: :func:`keras_mp.device.xla.disabled` where
+    :func:`keras_mp.execution.reasons.little_to_compile` says XLA would not
+    pay for itself, else nothing. (The train function's graph mode applies
+    it itself; the adaptive float32 probe uses it.)
+
+    Example:
+        >>> import keras
+        >>> from keras_mp.device import xla
+        >>> cnn = keras.Sequential([keras.Input((8, 8, 16)), keras.layers.Conv2D(64, 3),
+        ...                         keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
+        >>> with trace_scope(cnn):
+        ...     xla.uses_xla("elementwise")
+        False
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if reasons.little_to_compile(model) is not None:
+        return xla.disabled()
+    return contextlib.nullcontext()
 
 
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
@@ -254,6 +293,30 @@ def _state_of(model: keras.Model) -> _State | None:
 def _install(model: keras.Model, state: _State) -> None:
     _installed.install_method(model, "make_train_function",
                          lambda original: _make_train_function(model, state, original))
+    for attr in ("test_function", "predict_function"):
+        _installed.install_method(
+            model, f"make_{attr}",
+            lambda original, attr=attr: _make_scoped_function(model, attr, original))
+
+
+def _make_scoped_function(model: keras.Model, attr: str,
+                          original: Callable[..., Any]) -> Callable[..., Any]:
+    """The model's ``make_test_function`` or ``make_predict_function``
+    (``attr``: the attribute it sets): Keras's, its function traced inside
+    :func:`trace_scope` where that disables XLA."""
+
+    def make_function(force: bool = False):
+        original(force=force)
+        fn = getattr(model, attr)
+        if fn is None or getattr(fn, "_keras_mp_scoped", False) or model.jit_compile \
+                or reasons.little_to_compile(model) is None:
+            return fn
+        scoped = _in_scope(fn, xla.disabled)
+        scoped._keras_mp_scoped = True
+        setattr(model, attr, scoped)
+        return scoped
+
+    return make_function
 
 
 def _make_train_function(model: keras.Model, state: _State,

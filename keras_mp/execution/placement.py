@@ -28,7 +28,7 @@ from keras_mp.execution.micro_benchmark import _check_device_type, _interleaved,
 from keras_mp.fused import layers as fused_layers
 from keras_mp.fused import ops as kops
 
-__all__ = ["MIN_SHARE", "apply", "compute_dtypes", "epilogue"]
+__all__ = ["MIN_SHARE", "apply", "compute_dtypes", "epilogue", "weight_share"]
 
 #: The share of a model's weight elements its fused matmul layers must hold for
 #: :func:`apply` to measure where their matmuls run; below it, the defaults of
@@ -60,14 +60,26 @@ def _places_matmuls(model: keras.Model) -> bool:
         >>> _places_matmuls(cnn)  # a head of 650 weights beside 38,720
         False
     """
-    fused: dict[int, int] = {}
+    return weight_share(model, (fused_layers.Dense, fused_layers.MultiHeadAttention)) >= MIN_SHARE
+
+
+def weight_share(model: keras.Model, classes: tuple[type, ...]) -> float:
+    """The share of ``model``'s weight elements held by its layers of
+    ``classes`` (nested layers included; 0.0 for a model without weights).
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+        ...                           keras.layers.LayerNormalization()])
+        >>> round(weight_share(model, (keras.layers.Dense,)), 3)   # 15 of 21 elements
+        0.714
+    """
+    held: dict[int, int] = {}
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, (fused_layers.Dense, fused_layers.MultiHeadAttention)):
-            fused.update((id(w), _size(w)) for w in layer.weights)
-    if not fused:
-        return False
+        if isinstance(layer, classes):
+            held.update((id(w), _size(w)) for w in layer.weights)
     total = sum(_size(w) for w in {id(w): w for w in model.weights}.values())
-    return sum(fused.values()) >= MIN_SHARE * total
+    return sum(held.values()) / total if total else 0.0
 
 
 def _size(weight) -> int:

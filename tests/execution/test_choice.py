@@ -162,6 +162,96 @@ def test_a_convolutional_model_does_not_try_the_whole_step_under_xla_on_a_cpu():
         execution.reasons.slow_matmul(dense) is not None
 
 
+def _convolutions(*extra, classes=10, pool=True):
+    """Two convolutions (46,208 weights), ``extra`` layers, then a Dense head."""
+    inp = keras.Input((16, 16, 16))
+    h = keras.layers.Conv2D(64, 3, activation="relu")(inp)
+    h = keras.layers.Conv2D(64, 3, activation="relu")(h)
+    for layer in extra:
+        h = layer(h)
+    if pool:
+        h = keras.layers.Dense(classes)(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(inp, h)
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_model_of_convolutions_compiles_nothing_with_xla_on_a_cpu():
+    # XLA's runtime costs the process memory (47 MiB on a 2-core EPYC) and a
+    # model whose weights are its convolutions gives XLA nothing to gain.
+    if xla.current_device_type() != "CPU":
+        pytest.skip("a rule for CPUs")
+    cnn = _convolutions()
+    reason = execution.reasons.little_to_compile(cnn)
+    assert reason is not None and "convolutions hold 98.6% of its weights" in reason
+    assert "10 values per example" in reason
+    assert execution.candidate_modes(cnn) == ("graph",)
+    with execution.trace_scope(cnn):
+        assert not xla.uses_xla("elementwise") and not xla.uses_xla("matmul")
+    assert xla.uses_xla("elementwise")  # only inside the scope
+    with execution.trace_scope(_model()):
+        assert xla.uses_xla("elementwise")
+    # What leaves XLA to the other rules: a fused normalization (elementwise
+    # work whatever its weights), weights outside the convolutions (a head of
+    # 22% here), outputs of more than SMALL_OUTPUT values per example (the
+    # fused loss's work), no convolution at all.
+    norm = _convolutions(keras_mp.fused.layers.LayerNormalization())
+    wide = _convolutions(classes=200)
+    maps = _convolutions(pool=False)
+    assert maps.outputs[0].shape[1:] == (12, 12, 64)
+    for model in (norm, wide, maps, _model()):
+        assert execution.reasons.little_to_compile(model) is None
+        assert "xla_update" in execution.candidate_modes(model) or \
+            execution.reasons.update_memory(model) is not None
+
+
+_NO_XLA_SCRIPT = """
+import numpy as np, keras, keras_mp
+from keras_mp import execution
+from keras_mp.device import xla
+from tests.execution.test_choice import _convolutions
+keras_mp.set_global_policy("adaptive")
+model = keras_mp.fuse(_convolutions(), inplace=True)
+model.compile(optimizer="adam", metrics=["accuracy"],
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+rng = np.random.default_rng(0)
+x = rng.standard_normal((64, 16, 16, 16)).astype("float32")
+y = rng.integers(0, 10, 64)
+cb = keras_mp.callbacks.AdaptivePrecision(interval=8, statistics_every=4, probe_every=12)
+hist = model.fit(x, y, batch_size=8, epochs=4, verbose=0, callbacks=[cb])
+assert np.isfinite(hist.history["loss"]).all(), hist.history
+assert np.isfinite(model.evaluate(x, y, verbose=0)).all()
+assert model.predict(x, verbose=0).shape == (64, 10)
+print("chosen", execution.chosen(model), "probed", sorted(xla._available), flush=True)
+mlp = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+mlp.compile(optimizer="adam", loss="mse")
+execution.candidate_modes(mlp)   # the same check sees an MLP start XLA
+print("after an mlp, probed", sorted(xla._available), flush=True)
+"""
+
+
+def test_a_model_of_convolutions_trains_without_starting_xla(tmp_path):
+    # The default a user gets (KERAS_MP_EXECUTION unset), in a fresh process:
+    # the trial, statistics steps, probes, evaluate and predict of a CNN never
+    # start XLA.
+    if xla.current_device_type() != "CPU":
+        pytest.skip("a rule for CPUs")
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != execution.ENV_VAR}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    proc = subprocess.run([sys.executable, "-c", _NO_XLA_SCRIPT], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "chosen graph probed []" in proc.stdout, proc.stdout
+    assert "after an mlp, probed ['CPU']" in proc.stdout, proc.stdout
+
+
 def test_adaptive_precision_applies_the_mode(monkeypatch):
     x, y = _data()
     keras_mp.set_global_policy("adaptive")

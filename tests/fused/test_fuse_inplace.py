@@ -64,6 +64,35 @@ def test_inplace_reaches_layers_inside_layers_of_a_subclassed_model():
         fuse(Net())  # a copy needs a functional or Sequential model
 
 
+def test_batch_normalization_after_convolutions_is_fused_in_place(tmp_path):
+    keras_mp.set_global_policy("mixed_bfloat16")
+    try:
+        inp = keras.Input((8, 8, 3))
+        h = keras.layers.BatchNormalization()(keras.layers.Conv2D(4, 3)(inp))
+        h = keras.layers.Dense(5)(keras.layers.GlobalAveragePooling2D()(h))
+        out = keras.layers.BatchNormalization()(h)  # 2-D: Keras's code, Keras's class
+        model = keras.Model(inp, out)
+    finally:
+        keras_mp.set_global_policy("float32")
+    x = np.random.default_rng(0).normal(size=(6, 8, 8, 3)).astype("float32")
+    before = [np.asarray(model(x, training=False), "float32")]
+    fuse(model, inplace=True)
+    convolved, flat = [layer for layer in model.layers
+                       if isinstance(layer, keras.layers.BatchNormalization)]
+    assert type(convolved) is klayers.BatchNormalization and convolved.fused
+    assert type(flat) is keras.layers.BatchNormalization
+    np.testing.assert_allclose(np.asarray(model(x, training=False), "float32"), before[0],
+                               rtol=3e-2, atol=3e-2)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, np.zeros((6, 5), "float32"), epochs=1, verbose=0)
+    path = str(tmp_path / "bn.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert type(loaded.layers[2]) is klayers.BatchNormalization
+    np.testing.assert_allclose(np.asarray(loaded(x), "float32"),
+                               np.asarray(model(x), "float32"), rtol=1e-6, atol=1e-6)
+
+
 def test_a_model_without_fused_kernels_stays_keras_only():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="softplus")])
     fuse(model, inplace=True)

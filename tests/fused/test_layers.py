@@ -123,6 +123,51 @@ def test_layer_normalization_positive_last_axis_is_fused():
     _assert_same(ref, fused, tf.random.normal([2, 3, 16]), "float32")
 
 
+BN_SHAPE = (4, 5, 5, 6)
+
+
+def _bn_pair(policy, shape=BN_SHAPE, **kwargs):
+    ref, fused = _pair(keras.layers.BatchNormalization, klayers.BatchNormalization, shape,
+                       policy, momentum=0.9, **kwargs)
+    for w in ref.non_trainable_weights:  # moving variances (and renorm's) must be positive
+        w.assign(np.abs(w.numpy()) + 0.5)
+    fused.set_weights(ref.get_weights())
+    return ref, fused
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("center,scale", [(True, True), (False, False)])
+def test_batch_normalization_matches_keras(policy, center, scale):
+    ref, fused = _bn_pair(policy, center=center, scale=scale)
+    assert fused.fused
+    x = tf.constant(np.random.default_rng(0).normal(2.0, 3.0, BN_SHAPE), tf.float32)
+    _assert_same(ref, fused, x, policy, training=True)
+    # One training call each: the moving averages moved the same way.
+    for a, b in zip(ref.non_trainable_weights, fused.non_trainable_weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
+    _assert_same(ref, fused, x, policy, training=False)
+
+
+@pytest.mark.parametrize("kwargs,shape", [
+    ({"renorm": True}, BN_SHAPE), ({"axis": 1}, BN_SHAPE), ({}, (4, 6)),
+    ({"epsilon": 1e-6}, BN_SHAPE), ({"synchronized": True}, BN_SHAPE)])
+def test_batch_normalization_unfused_options_run_keras(kwargs, shape):
+    ref, fused = _bn_pair("mixed_bfloat16", shape, **kwargs)
+    assert not fused.fused
+    x = tf.constant(np.random.default_rng(0).normal(2.0, 3.0, shape), tf.float32)
+    _assert_same(ref, fused, x, "mixed_bfloat16", training=True)
+
+
+def test_batch_normalization_masked_call_runs_keras():
+    ref, fused = _bn_pair("float32")
+    x = tf.constant(np.random.default_rng(0).normal(2.0, 3.0, BN_SHAPE), tf.float32)
+    mask = tf.constant(np.random.default_rng(1).random(BN_SHAPE[:-1]) > 0.3)
+    np.testing.assert_allclose(fused(x, training=True, mask=mask),
+                               ref(x, training=True, mask=mask), rtol=1e-5, atol=1e-5)
+    for a, b in zip(ref.non_trainable_weights, fused.non_trainable_weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_rms_normalization_matches_keras(policy):
     ref, fused = _pair(keras.layers.RMSNormalization, klayers.RMSNormalization,
@@ -207,6 +252,7 @@ def test_fused_class_takes_exact_classes_and_kerashub_reexports_only():
 @pytest.mark.parametrize("cls,kwargs", [
     (klayers.Dense, {"units": 3, "activation": "gelu"}),
     (klayers.LayerNormalization, {"epsilon": 1e-5}),
+    (klayers.BatchNormalization, {"momentum": 0.9}),
     (klayers.RMSNormalization, {"epsilon": 1e-5}),
     (klayers.Softmax, {"axis": 1}),
     (klayers.ReversibleEmbedding, {"input_dim": 10, "output_dim": 4, "logit_soft_cap": 5.0}),

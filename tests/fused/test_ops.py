@@ -114,6 +114,29 @@ def test_layer_norm_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_matches_reference(dtype, training):
+    x = _as(_rng().normal(size=(4, 3, 3, 8)) * 3 + 1, dtype)
+    g = tf.constant(_rng(1).normal(size=(8,)), tf.float32)
+    b = tf.constant(_rng(2).normal(size=(8,)), tf.float32)
+    mean = tf.constant(_rng(3).normal(size=(8,)), tf.float32)
+    var = tf.constant(np.abs(_rng(4).normal(size=(8,))) + 0.5, tf.float32)
+    _compare(lambda x, g, b: kops.batch_norm(x, g, b, mean, var, training=training)[0],
+             lambda x, g, b: kops.batch_norm_reference(x, g, b, mean, var, training=training)[0],
+             [x, g, b], dtype, (4, 3, 3, 8))
+    _, m, v = kops.batch_norm(x, g, b, training=True)
+    _, m_ref, v_ref = kops.batch_norm_reference(tf.cast(x, tf.float32), training=True)
+    np.testing.assert_allclose(m, m_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v, v_ref, rtol=1e-4)  # the population variance, as Keras's
+    one = kops.batch_norm(tf.ones([1, 1, 1, 2], dtype), training=True)[2]
+    assert one.numpy().tolist() == [0.0, 0.0]  # one value per channel: variance 0, not nan
+    with pytest.raises(ValueError, match="`epsilon`"):
+        kops.batch_norm(x, epsilon=1e-6)
+    with pytest.raises(ValueError, match="`mean` and `variance`"):
+        kops.batch_norm(x, training=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_matches_reference(dtype):
     x = _as(_rng().normal(size=(4, 3, 32)) * 3, dtype)
     s = tf.constant(_rng(1).normal(size=(32,)), tf.float32)

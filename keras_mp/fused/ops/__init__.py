@@ -20,7 +20,8 @@ Every fused op:
 
 One module per op family: :mod:`~keras_mp.fused.ops.activation` (bias +
 activation), :mod:`~keras_mp.fused.ops.dense`, :mod:`~keras_mp.fused.ops.attention`,
-:mod:`~keras_mp.fused.ops.normalization`, :mod:`~keras_mp.fused.ops.masked_softmax`,
+:mod:`~keras_mp.fused.ops.normalization`, :mod:`~keras_mp.fused.ops.batch_normalization`
+(TensorFlow's fused kernel, not XLA), :mod:`~keras_mp.fused.ops.masked_softmax`,
 :mod:`~keras_mp.fused.ops.cross_entropy`, :mod:`~keras_mp.fused.ops.accuracy`; every op is
 re-exported here.
 
@@ -37,11 +38,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from keras_mp.fused.ops import (accuracy, activation, attention, cross_entropy, dense,
-                                masked_softmax, normalization)
+from keras_mp.fused.ops import (accuracy, activation, attention, batch_normalization,
+                                cross_entropy, dense, masked_softmax, normalization)
 from keras_mp.fused.ops.accuracy import sparse_top1_matches, sparse_top1_matches_reference
 from keras_mp.fused.ops.activation import ACTIVATIONS, bias_activation, bias_activation_reference
 from keras_mp.fused.ops.attention import multi_head_attention, multi_head_attention_reference
+from keras_mp.fused.ops.batch_normalization import batch_norm, batch_norm_reference
 from keras_mp.fused.ops.cross_entropy import (sparse_softmax_cross_entropy,
                                               sparse_softmax_cross_entropy_reference)
 from keras_mp.fused.ops.dense import dense_activation, dense_activation_reference
@@ -57,6 +59,8 @@ __all__ = [
     "dense_activation_reference",
     "multi_head_attention",
     "multi_head_attention_reference",
+    "batch_norm",
+    "batch_norm_reference",
     "layer_norm",
     "layer_norm_reference",
     "rms_norm",
