@@ -40,7 +40,7 @@ def fuse(model: keras.Model, *, inplace: bool = False) -> keras.Model:
     """Returns ``model`` with the supported layers fused: a copy, or the model
     itself with ``inplace=True``.
 
-    ``keras.layers.Dense``, ``LayerNormalization``, ``RMSNormalization``,
+    ``keras.layers.Dense``, ``LayerNormalization``, ``BatchNormalization``, ``RMSNormalization``,
     ``Softmax``, ``MultiHeadAttention`` and ``ReversibleEmbedding`` (exactly
     these classes, or KerasHub's re-export of one, as its
     ``ReversibleEmbedding``: :func:`keras_mp.fused.layers.fused_class`)
