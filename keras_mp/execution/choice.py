@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -305,16 +306,18 @@ def _make_scoped_function(model: keras.Model, attr: str,
     (``attr``: the attribute it sets): Keras's, its function traced inside
     :func:`trace_scope` where that disables XLA."""
 
+    seen: list[Callable[[], Any]] = [lambda: None]  # a weak reference: Keras may drop it
+
     def make_function(force: bool = False):
-        original(force=force)
+        original(force=force)  # Keras's returns nothing: it sets model.<attr>
         fn = getattr(model, attr)
-        if fn is None or getattr(fn, "_keras_mp_scoped", False) or model.jit_compile \
-                or reasons.little_to_compile(model) is None:
+        if fn is None or fn is seen[0]():  # evaluate() and predict() ask on every call
             return fn
-        scoped = _in_scope(fn, xla.disabled)
-        scoped._keras_mp_scoped = True
-        setattr(model, attr, scoped)
-        return scoped
+        if not model.jit_compile and reasons.little_to_compile(model) is not None:
+            fn = _in_scope(fn, xla.disabled)
+            setattr(model, attr, fn)
+        seen[0] = weakref.ref(fn)
+        return fn
 
     return make_function
 
