@@ -26,7 +26,7 @@ from keras_mp.adaptive import (autofit, controller, float8, forward, hooks, loss
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
-from keras_mp.execution import fused_update, optimizer_state, step_trial
+from keras_mp.execution import fused_update, native_update, optimizer_state, step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
@@ -44,7 +44,8 @@ MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adapti
            "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
            "device", "device.capabilities", "device.memory", "device.xla", "distribute",
            "execution",
-           "execution.fused_update", "execution.optimizer_state", "execution.reasons",
+           "execution.fused_update", "execution.native_update", "execution.optimizer_state",
+           "execution.reasons",
            "execution.step_trial", "fused",
            "fused.fuse", "fused.layers",
            "fused.losses", "fused.metrics", "fused.shared_matches",
@@ -535,6 +536,14 @@ CASES = [
      TypeError, "`model`"),
     ("execution.trace_scope", lambda: execution.trace_scope("m"), TypeError, "`model`"),
     ("execution.reasons.update_memory", lambda: execution.reasons.update_memory("m"), TypeError, "`model`"),
+    ("execution.reasons.update_native", lambda: execution.reasons.update_native("m"), TypeError,
+     "`model`"),
+    ("execution.native_update.install", lambda: native_update.install("adam"), TypeError,
+     "`optimizer`"),
+    ("execution.native_update.is_installed", lambda: native_update.is_installed(None), TypeError,
+     "`optimizer`"),
+    ("execution.native_update.unsupported_reason", lambda: native_update.unsupported_reason(SGD),
+     TypeError, "`optimizer`"),
     ("execution.fused_update.install", lambda: fused_update.install("adam"), TypeError, "`optimizer`"),
     ("execution.fused_update.is_installed", lambda: fused_update.is_installed(None), TypeError,
      "`optimizer`"),

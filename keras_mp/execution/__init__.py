@@ -73,13 +73,14 @@ One module per part: :mod:`~keras_mp.execution.choice` (:func:`configure`,
 :func:`chosen`, :func:`measuring`, :func:`candidate_modes`, :func:`trace_scope`), :mod:`~keras_mp.execution.reasons`
 (why a mode cannot run or cannot win for a model), :mod:`~keras_mp.execution.step_trial`
 (the measurement on the model's first calls), :mod:`~keras_mp.execution.fused_update`
-(the ``xla_update`` mode), :mod:`~keras_mp.execution.micro_benchmark` (the device-wide
+(the ``xla_update`` mode), :mod:`~keras_mp.execution.native_update` (Adam, AdamW
+and SGD updates as TensorFlow's fused kernels, in every mode), :mod:`~keras_mp.execution.micro_benchmark` (the device-wide
 micro-benchmark) and :mod:`~keras_mp.execution.placement` (the fused layers'
 matmuls and epilogues).
 """
 
-from keras_mp.execution import (choice, fused_update, micro_benchmark, placement, reasons,
-                                step_trial)
+from keras_mp.execution import (choice, fused_update, micro_benchmark, native_update, placement,
+                                reasons, step_trial)
 from keras_mp.execution.choice import (ENV_VAR, MAPS_BUDGET, MODES, candidate_modes, chosen,
                                        configure, measuring, trace_scope)
 from keras_mp.execution.placement import epilogue
@@ -88,4 +89,4 @@ from keras_mp.execution.micro_benchmark import MARGIN, ExecutionProfile, choose,
 __all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose",
            "configure", "chosen", "measuring", "candidate_modes", "trace_scope", "epilogue", "choice",
            "fused_update",
-           "micro_benchmark", "placement", "reasons", "step_trial"]
+           "micro_benchmark", "native_update", "placement", "reasons", "step_trial"]

@@ -25,7 +25,8 @@ import tensorflow as tf
 
 from keras_mp import _installed
 from keras_mp.device import memory, xla
-from keras_mp.execution import fused_update, optimizer_state, placement, reasons, step_trial
+from keras_mp.execution import (fused_update, native_update, optimizer_state, placement, reasons,
+                                step_trial)
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
 from keras_mp.fused import shared_matches
@@ -64,7 +65,8 @@ class _State:
 def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     """The modes ``mode="auto"`` measures for ``model``: ``"graph"`` first,
     then ``"xla_update"`` and ``"xla"`` where the model can use them
-    (``"xla_update"`` only where its compiled code fits in
+    (``"xla_update"`` only where the optimizer has no native update kernel,
+    :mod:`keras_mp.execution.native_update`, and where its compiled code fits in
     :data:`keras_mp.execution.step_trial.MEMORY_BUDGET` of the process;
     ``"xla"`` only where XLA's matmuls in the model's narrowest compute
     dtype reach :data:`XLA_MATMUL_FLOOR` of the graph's here, and on a CPU
@@ -73,10 +75,13 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     Example:
         >>> import keras
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-        >>> model.compile(optimizer="adam", loss="mse")
+        >>> model.compile(optimizer="rmsprop", loss="mse")
         >>> modes = candidate_modes(model)
         >>> modes[:2]   # "xla" follows where this machine's measured XLA matmuls are fast
         ('graph', 'xla_update')
+        >>> model.compile(optimizer="adam", loss="mse")   # one native kernel per variable
+        >>> "xla_update" in candidate_modes(model)
+        False
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
@@ -86,7 +91,7 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     if reasons.little_to_compile(model) is not None:
         return tuple(modes)  # asks nothing that would start XLA's runtime
     if reasons.update_only(model) is None and "xla_update" not in failed \
-            and reasons.update_memory(model) is None:
+            and reasons.update_native(model) is None and reasons.update_memory(model) is None:
         modes.append("xla_update")
     # The convolution rule first: it needs no measurement (the matmul one
     # compiles and times XLA matmuls in every candidate dtype).
@@ -116,7 +121,8 @@ def _decide(model: keras.Model, state: _State) -> str:
             reason = reasons.little_to_compile(model)
             if reason is None:
                 reason = (reasons.graph_only(model) or reasons.update_only(model)
-                          or reasons.update_memory(model) or "XLA could not compile it")
+                          or reasons.update_native(model) or reasons.update_memory(model)
+                          or "XLA could not compile it")
                 if reasons.graph_only(model) is None:
                     # The convolution rule first: it measures nothing.
                     why_not_xla = reasons.convolution(model) or reasons.slow_matmul(model)
@@ -331,6 +337,8 @@ def _make_train_function(model: keras.Model, state: _State,
         if model.train_function is not None and not force:
             return model.train_function
         optimizer_state.build(model)  # so that the step is traced once, not twice
+        if state.mode != "keep":
+            native_update.install(model.optimizer)  # before the trace reads update_step
         chosen = _decide(model, state)  # again: the compute dtypes may have changed
         state.chosen = state.built = chosen
         if chosen == "trial":
