@@ -540,6 +540,8 @@ CASES = [
      "`model`"),
     ("execution.native_update.install", lambda: native_update.install("adam"), TypeError,
      "`optimizer`"),
+    ("execution.optimizer_state.inner", lambda: optimizer_state.inner("adam"), TypeError,
+     "`optimizer`"),
     ("execution.native_update.is_installed", lambda: native_update.is_installed(None), TypeError,
      "`optimizer`"),
     ("execution.native_update.unsupported_reason", lambda: native_update.unsupported_reason(SGD),

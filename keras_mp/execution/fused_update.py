@@ -76,6 +76,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp import _installed
+from keras_mp.execution import optimizer_state
 
 __all__ = ["BYTES_PER_VARIABLE", "install", "is_installed", "compiling", "switched",
            "unsupported_reason", "updated_variables"]
@@ -90,11 +91,7 @@ _METHOD = "_backend_update_step"
 _flag = threading.local()
 
 
-def _target(optimizer: Any) -> keras.optimizers.Optimizer:
-    """The optimizer whose variables are updated (a loss-scale wrapper's inner one)."""
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer, got {optimizer!r}.")
-    return getattr(optimizer, "inner_optimizer", optimizer)
+_target = optimizer_state.inner  # a loss-scale wrapper's inner optimizer
 
 
 def unsupported_reason(optimizer: Any) -> str | None:

@@ -54,6 +54,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp import _installed
+from keras_mp.execution import optimizer_state
 
 __all__ = ["OPTIMIZERS", "install", "is_installed", "unsupported_reason"]
 
@@ -122,12 +124,6 @@ OPTIMIZERS: dict[type, Callable[..., bool]] = {
     keras.optimizers.Adam: _adam, keras.optimizers.AdamW: _adam, keras.optimizers.SGD: _sgd}
 
 
-def _target(optimizer: Any) -> keras.optimizers.Optimizer:
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer, got {optimizer!r}.")
-    return getattr(optimizer, "inner_optimizer", optimizer)
-
-
 def unsupported_reason(optimizer: Any) -> str | None:
     """Why ``optimizer``'s update has no native kernel here (None when it has).
 
@@ -145,7 +141,7 @@ def unsupported_reason(optimizer: Any) -> str | None:
         >>> unsupported_reason(keras.optimizers.RMSprop())
         'RMSprop has no native update kernel (Adam, AdamW, SGD have)'
     """
-    opt = _target(optimizer)
+    opt = optimizer_state.inner(optimizer)
     if type(opt) not in OPTIMIZERS:
         names = ", ".join(cls.__name__ for cls in OPTIMIZERS)
         return f"{type(opt).__name__} has no native update kernel ({names} have)"
@@ -158,39 +154,32 @@ def unsupported_reason(optimizer: Any) -> str | None:
     return None
 
 
+def _wrap(opt, kernel: Callable[..., bool], original: Callable[..., Any]) -> Callable[..., Any]:
+    """``opt``'s ``update_step``: ``kernel`` where it applies, else ``original``."""
+
+    def update_step(gradient, variable, learning_rate):
+        if (isinstance(gradient, tf.Tensor) and gradient.dtype == tf.float32
+                and not tf.distribute.has_strategy()
+                and kernel(opt, gradient, variable, learning_rate)):
+            return None
+        return original(gradient, variable, learning_rate)
+
+    return update_step
+
+
 def install(optimizer: Any) -> bool:
-    """Points ``optimizer``'s ``update_step`` at TensorFlow's fused kernel
-    where it computes what Keras's does (see the module); idempotent.
-
-    Args:
-        optimizer: a Keras optimizer, or a loss-scale wrapper (its inner
-            optimizer is the one changed).
-
-    Returns:
-        True if installed (now or before); False where
-        :func:`unsupported_reason` names a reason.
+    """Points ``optimizer``'s ``update_step`` (a loss-scale wrapper's inner
+    optimizer's) at TensorFlow's fused kernel, where :func:`unsupported_reason`
+    finds none against it; idempotent. Returns whether it is installed.
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer.
     """
-    opt = _target(optimizer)
-    if is_installed(opt):
-        return True
-    if unsupported_reason(opt) is not None:
-        return False
-    kernel = OPTIMIZERS[type(opt)]
-
-    def make(original):
-        def update_step(gradient, variable, learning_rate):
-            if (isinstance(gradient, tf.Tensor) and gradient.dtype == tf.float32
-                    and not tf.distribute.has_strategy()
-                    and kernel(opt, gradient, variable, learning_rate)):
-                return None
-            return original(gradient, variable, learning_rate)
-        return update_step
-
-    _installed.install_method(opt, _METHOD, make)
-    return True
+    opt = optimizer_state.inner(optimizer)
+    if not is_installed(opt) and unsupported_reason(opt) is None:
+        _installed.install_method(opt, _METHOD,
+                                  functools.partial(_wrap, opt, OPTIMIZERS[type(opt)]))
+    return is_installed(opt)
 
 
 def is_installed(optimizer: Any) -> bool:
@@ -201,4 +190,4 @@ def is_installed(optimizer: Any) -> bool:
         >>> is_installed(keras.optimizers.Adam())
         False
     """
-    return _installed.is_wrapped(_target(optimizer), _METHOD)
+    return _installed.is_wrapped(optimizer_state.inner(optimizer), _METHOD)

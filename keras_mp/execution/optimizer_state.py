@@ -17,7 +17,9 @@ trace (``Trainer._symbolic_build``); :func:`build` does what that does for
 the optimizer, in the strategy's scope.
 
 Example:
-    >>> import keras
+    >>> from typing import Any
+
+import keras
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     >>> model.compile(optimizer="adam", loss="mse")
     >>> build(model), model.optimizer.built
@@ -30,7 +32,25 @@ from __future__ import annotations
 
 import keras
 
-__all__ = ["build"]
+__all__ = ["build", "inner"]
+
+
+def inner(optimizer: Any) -> keras.optimizers.Optimizer:
+    """The optimizer whose variables are updated: a loss-scale wrapper's inner
+    optimizer, else ``optimizer`` itself.
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras optimizer.
+
+    Example:
+        >>> import keras
+        >>> sgd = keras.optimizers.SGD()
+        >>> inner(keras.optimizers.LossScaleOptimizer(sgd)) is sgd, inner(sgd) is sgd
+        (True, True)
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer, got {optimizer!r}.")
+    return getattr(optimizer, "inner_optimizer", optimizer)
 
 
 def build(model: keras.Model) -> bool:
