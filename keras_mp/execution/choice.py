@@ -201,7 +201,7 @@ def _build(model: keras.Model, state: _State, mode: str,
         fused_update.install(model.optimizer)
         fn = _with_update(fn, switch)
     if mode == "graph" and reasons.little_to_compile(model) is not None:
-        return _in_scope(fn, xla.disabled)  # mode="xla_update"/"xla" asked for keeps its XLA
+        return _without_xla(fn)  # mode="xla_update"/"xla" asked for keeps its XLA
     if not xla.uses_xla("elementwise"):
         return fn
     losses = fused_losses.fusable_losses(model)
@@ -209,11 +209,11 @@ def _build(model: keras.Model, state: _State, mode: str,
     return _with_fused(fn, losses, metrics) if losses or metrics else fn
 
 
-def _in_scope(fn: Callable[..., Any], scope: Callable[[], Any]) -> Callable[..., Any]:
-    """``fn``, called (and so traced) inside ``scope()``."""
+def _without_xla(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, called (and so traced) inside :func:`keras_mp.device.xla.disabled`."""
 
     def step_function(*args, **kwargs):
-        with scope():
+        with xla.disabled():
             return fn(*args, **kwargs)
 
     return step_function
@@ -320,7 +320,7 @@ def _make_scoped_function(model: keras.Model, attr: str,
         if fn is None or fn is seen[0]():  # evaluate() and predict() ask on every call
             return fn
         if not model.jit_compile and reasons.little_to_compile(model) is not None:
-            fn = _in_scope(fn, xla.disabled)
+            fn = _without_xla(fn)
             setattr(model, attr, fn)
         seen[0] = weakref.ref(fn)
         return fn

@@ -17,9 +17,7 @@ trace (``Trainer._symbolic_build``); :func:`build` does what that does for
 the optimizer, in the strategy's scope.
 
 Example:
-    >>> from typing import Any
-
-import keras
+    >>> import keras
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     >>> model.compile(optimizer="adam", loss="mse")
     >>> build(model), model.optimizer.built
@@ -29,6 +27,8 @@ import keras
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import keras
 

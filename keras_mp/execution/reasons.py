@@ -20,7 +20,8 @@ import math
 import keras
 
 from keras_mp.device import memory, xla
-from keras_mp.execution import fused_update, micro_benchmark, native_update, step_trial
+from keras_mp.execution import (fused_update, micro_benchmark, native_update, optimizer_state,
+                                step_trial)
 from keras_mp.execution.placement import MIN_SHARE, compute_dtypes, weight_share
 from keras_mp.fused import layers as fused_layers
 
@@ -257,5 +258,5 @@ def update_native(model: keras.Model) -> str | None:
     opt = getattr(model, "optimizer", None)
     if opt is None or native_update.unsupported_reason(opt) is not None:
         return None
-    name = type(getattr(opt, "inner_optimizer", opt)).__name__
+    name = type(optimizer_state.inner(opt)).__name__
     return f"the {name} update runs as one TensorFlow kernel per variable"
