@@ -150,10 +150,10 @@ def _amax_and_flushed(x: tf.Tensor, tiny: tf.Tensor, stride: int):
 
 
 #: A tensor of more elements than this gets its largest ``|x|`` from two
-#: TensorFlow reductions in its own dtype (its maximum and minimum), not from
-#: the XLA kernel: XLA:CPU reduces a 16-bit tensor through a float32 copy of
-#: it. On GPT-2's ``[2048, 50257]`` bfloat16 logits (2-core AMD EPYC) the
-#: kernel raised TensorFlow's allocator peak by 512 MiB, the two reductions
+#: TensorFlow reductions (its maximum and minimum; for a 16-bit tensor on CPU,
+#: of its bits: :func:`_amax_of_bits`), not from the XLA kernel: XLA:CPU
+#: reduces a 16-bit tensor through a float32 copy of it. On GPT-2's
+#: ``[2048, 50257]`` bfloat16 logits (2-core AMD EPYC) the kernel raised TensorFlow's allocator peak by 512 MiB, the two reductions
 #: by nothing (71.5 against 57.4 ms CPU), and that copy on the statistics
 #: step grew the process by 1.2 GB.
 LARGE = 1 << 22
@@ -161,11 +161,52 @@ LARGE = 1 << 22
 
 def _amax_large(x: tf.Tensor) -> tf.Tensor:
     """:func:`_amax` of a large tensor, copying nothing (TensorFlow's CPU
-    reductions propagate NaN)."""
+    reductions propagate NaN); a 16-bit tensor on CPU takes
+    :func:`_amax_of_bits`."""
+    if x.dtype in _BITS and xla.current_device_type() == "CPU":
+        return _amax_of_bits(x)
     hi, lo = tf.reduce_max(x), tf.reduce_min(x)
     bad = tf.math.is_nan(hi) | tf.math.is_nan(lo)
     amax = tf.maximum(tf.cast(hi, tf.float32), -tf.cast(lo, tf.float32))
     return tf.where(bad, tf.constant(float("inf")), amax)
+
+
+#: 16-bit float dtype -> the bits of its infinity (above them: NaN).
+_BITS = {tf.bfloat16: 0x7F80, tf.float16: 0x7C00}
+
+
+def _amax_of_bits(x: tf.Tensor) -> tf.Tensor:
+    """:func:`_amax` of a bfloat16 or float16 tensor from two integer
+    reductions of its bits, exact, copying nothing.
+
+    A 16-bit float's bits without the sign order its magnitudes, inf and NaN
+    above every finite one. Read as ``int16``, the largest element is the
+    positive of largest magnitude (negatives are below 0); read as
+    ``uint16``, it is ``0x8000`` plus the largest negative magnitude (where
+    there is a negative). TensorFlow's CPU reductions of 16-bit floats
+    convert every element to float32 one by one; its integer reductions are
+    vectorized. A ``[32, 64, 64, 32]`` bfloat16 activation took 0.98 ms of
+    CPU time against 4.52 for ``reduce_max`` and ``reduce_min``; GPT-2's
+    ``[2048, 50257]`` bfloat16 logits 25.0 against 90.7 (float16: 0.91
+    against 2.22, 23.5 against 35.6; 2-core AMD EPYC with AVX512-BF16).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> x = tf.constant([[1.5, -3.0], [0.25, 2.0]], tf.bfloat16)
+        >>> float(_amax_of_bits(x)), float(_amax_of_bits(-tf.abs(x)))
+        (3.0, 3.0)
+        >>> float(_amax_of_bits(tf.constant([1.0, float("nan")], tf.float16)))
+        inf
+    """
+    if x.dtype not in _BITS:
+        raise ValueError(f"`x` must be bfloat16 or float16, got {x.dtype.name}.")
+    positive = tf.reduce_max(tf.bitcast(x, tf.int16))
+    # 0x8000 + m -> m; a largest uint16 below 0x8000 (no negative) -> below 0
+    negative = tf.bitcast(tf.bitwise.bitwise_xor(tf.reduce_max(tf.bitcast(x, tf.uint16)),
+                                                 tf.constant(0x8000, tf.uint16)), tf.int16)
+    # NaN (above inf's bits) counts as inf, as in the XLA kernel
+    bits = tf.minimum(tf.maximum(positive, negative), tf.constant(_BITS[x.dtype], tf.int16))
+    return tf.cast(tf.bitcast(bits, x.dtype), tf.float32)
 
 
 def _is_large(x: tf.Tensor) -> bool:

@@ -110,3 +110,38 @@ def test_a_statistics_trace_costs_few_graph_nodes_per_layer():
         return len(step.get_concrete_function(spec).graph.get_operations()) - plain
 
     assert (nodes(30) - nodes(10)) / 20 <= 55
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", ["mixed", "positive", "negative", "zeros", "subnormal",
+                                  "nan", "negative_nan", "inf", "negative_inf", "dtype_max"])
+def test_amax_of_bits_equals_the_float_reductions(dtype, case):
+    """The integer reductions of a 16-bit tensor's bits give what the float
+    reductions give: the largest |x| exactly, inf where an element is inf or
+    NaN, whatever the signs."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 129)).astype("float32") * 5.0
+    x = {"positive": np.abs(x), "negative": -np.abs(x), "zeros": np.zeros_like(x) * -1.0,
+         "subnormal": np.full_like(x, -forward.dtype_tiny(dtype) / 8)}.get(case, x)
+    special = {"nan": np.nan, "negative_nan": -np.nan, "inf": np.inf, "negative_inf": -np.inf,
+               "dtype_max": -forward.dtype_max(dtype)}
+    if case in special:
+        x[5, 7] = special[case]
+    t = tf.cast(x, dtype)
+    got = float(forward._amax_of_bits(t))
+    ref = np.abs(np.asarray(tf.cast(t, tf.float32)))
+    want = np.inf if np.isnan(ref).any() else float(ref.max())
+    assert got == want
+    if case == "subnormal":
+        # TensorFlow's CPU float reductions read bfloat16 subnormals as zero;
+        # the bits keep them.
+        assert got > 0.0
+        return
+    hi, lo = tf.reduce_max(t), tf.reduce_min(t)   # the path other dtypes and devices take
+    floats = np.inf if np.isnan([float(hi), float(lo)]).any() else max(float(hi), -float(lo))
+    assert got == floats
+
+
+def test_amax_of_bits_takes_only_16_bit_floats():
+    with pytest.raises(ValueError, match="`x` must be bfloat16 or float16"):
+        forward._amax_of_bits(tf.constant([1.0]))
