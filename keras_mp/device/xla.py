@@ -55,7 +55,8 @@ from typing import Literal, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["Kind", "set_xla", "uses_xla", "disabled", "jit", "xla_available", "cpu_has_bf16_matmul",
+__all__ = ["Kind", "set_xla", "forced", "uses_xla", "disabled", "jit", "xla_available", "record_available",
+           "cpu_has_bf16_matmul",
            "set_measured_default", "fuses_epilogue", "set_measured_epilogue", "memory_maps"]
 
 Kind = Literal["elementwise", "matmul", "multi_tensor"]
@@ -108,6 +109,22 @@ def set_xla(kind: Kind, enabled: bool | None) -> None:
             _overrides.pop(kind, None)
         else:
             _overrides[kind] = enabled
+
+
+def forced(kind: Kind) -> bool | None:
+    """What :func:`set_xla` forces for ``kind``: True, False, or None where
+    the device's default (or a measurement) decides.
+
+    Example:
+        >>> from keras_mp.device import xla
+        >>> xla.set_xla("matmul", True); xla.forced("matmul")
+        True
+        >>> xla.set_xla("matmul", None); xla.forced("matmul") is None
+        True
+    """
+    _check_kind(kind)
+    with _lock:
+        return _overrides.get(kind)
 
 
 _BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -271,6 +288,24 @@ def xla_available(device_type: str | None = None) -> bool:
     with _lock:
         _available[device_type] = ok
     return ok
+
+
+def record_available(device_type: str, ok: bool) -> None:
+    """Records whether XLA runs on ``device_type`` as found by another
+    process (:func:`keras_mp.execution.placement.measure_elsewhere`), so that
+    :func:`xla_available` does not compile its probe here: a process's first
+    XLA compilation loads XLA's runtime, which stays.
+
+    Example:
+        >>> from keras_mp.device import xla
+        >>> xla.record_available("CPU", xla.xla_available("CPU"))
+    """
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"`device_type` must be one of {DEVICE_TYPES}, got {device_type!r}.")
+    if not isinstance(ok, bool):
+        raise TypeError(f"`ok` must be True or False, got {ok!r}.")
+    with _lock:
+        _available[device_type] = ok
 
 
 def uses_xla(kind: Kind, device_type: str | None = None) -> bool:

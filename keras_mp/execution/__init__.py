@@ -52,7 +52,7 @@ the default ``auto``. ``keep`` leaves ``model.jit_compile`` as
 Example:
     >>> import keras, keras_mp
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> model.compile(optimizer="rmsprop", loss="mse")   # an update XLA can fuse
     >>> keras_mp.execution.configure(model, mode="graph")
     'graph'
     >>> model.jit_compile

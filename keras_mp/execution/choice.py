@@ -417,6 +417,11 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     elif state.mode != mode:
         state.mode, state.failed = mode, set()
     state.strict = state.explicit = source == "`mode`"
+    # Measured before the decision, which asks where the fused matmuls run;
+    # where the model may compile nothing, measured in a child process.
+    if reasons.small_xla_work(model) == "dense":
+        placement.measure_elsewhere(model)
+    placement.apply(model)
     before = model.jit_compile
     chosen = _decide(model, state)
     state.chosen = chosen
@@ -428,7 +433,6 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
         # Built for another mode (or by Keras): rebuilt. (A trial's function
         # runs whatever its measurement decided.)
         model.train_function = None
-    placement.apply(model)
     return chosen
 
 

@@ -25,7 +25,7 @@ import tensorflow as tf
 from keras_mp import device
 from keras_mp.device import xla
 
-__all__ = ["MARGIN", "ExecutionProfile", "profile", "choose"]
+__all__ = ["MARGIN", "ExecutionProfile", "profile", "cached", "remember", "choose"]
 
 #: Another mode than the graph must be at least this much faster (by CPU time
 #: and by wall time) to be kept.
@@ -199,6 +199,45 @@ def profile(device_type: str | None = None, *, refresh: bool = False, batch: int
     with _lock:
         _cache[device_type if steps else (device_type, "matmul")] = result
     return result
+
+
+def cached(device_type: str | None = None, *, steps: bool = True) -> ExecutionProfile | None:
+    """The profile :func:`profile` would return without measuring (the full
+    one, or with ``steps=False`` the matmuls-only one where no full one is
+    kept), or None where it would measure.
+
+    Example:
+        >>> from keras_mp.execution import micro_benchmark
+        >>> micro_benchmark.cached(steps=False) in (None, micro_benchmark.profile(steps=False))
+        True
+    """
+    device_type = _check_device_type(device_type)
+    if not isinstance(steps, bool):
+        raise TypeError(f"`steps` must be a bool, got {steps!r}.")
+    with _lock:
+        if device_type in _cache:
+            return _cache[device_type]
+        return None if steps else _cache.get((device_type, "matmul"))
+
+
+def remember(result: ExecutionProfile) -> None:
+    """Keeps a profile measured elsewhere (another process:
+    :func:`keras_mp.execution.placement.measure_elsewhere`) as this
+    process's: :func:`profile` returns it, the full one where it has steps,
+    else the matmuls-only one (``steps=False``).
+
+    Example:
+        >>> from keras_mp.execution import micro_benchmark
+        >>> p = micro_benchmark.profile(steps=False)
+        >>> micro_benchmark.remember(p)
+        >>> micro_benchmark.profile(steps=False) is p
+        True
+    """
+    if not isinstance(result, ExecutionProfile):
+        raise TypeError(f"`result` must be an ExecutionProfile, got {result!r}.")
+    _check_device_type(result.device_type)
+    with _lock:
+        _cache[result.device_type if result.step else (result.device_type, "matmul")] = result
 
 
 def choose(dtypes: Iterable[str], device_type: str | None = None) -> str:

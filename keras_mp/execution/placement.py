@@ -16,7 +16,12 @@ Example:
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
+import subprocess
+import sys
 import threading
 
 import keras
@@ -24,11 +29,13 @@ import tensorflow as tf
 
 from keras_mp import _gradients
 from keras_mp.device import xla
+from keras_mp.execution import micro_benchmark
 from keras_mp.execution.micro_benchmark import _check_device_type, _interleaved, profile
 from keras_mp.fused import layers as fused_layers
 from keras_mp.fused import ops as kops
 
-__all__ = ["MIN_SHARE", "apply", "compute_dtypes", "epilogue", "weight_share"]
+__all__ = ["MIN_SHARE", "apply", "compute_dtypes", "epilogue", "fused_dense_activations",
+           "measure_elsewhere", "weight_share"]
 
 #: The share of a model's weight elements its fused matmul layers must hold for
 #: :func:`apply` to measure where their matmuls run; below it, the defaults of
@@ -36,6 +43,7 @@ __all__ = ["MIN_SHARE", "apply", "compute_dtypes", "epilogue", "weight_share"]
 MIN_SHARE = 0.05
 
 _lock = threading.Lock()
+_log = logging.getLogger("keras_mp")
 
 
 def compute_dtypes(model: keras.Model) -> set[str]:
@@ -105,18 +113,111 @@ def apply(model: keras.Model) -> None:
     if not _places_matmuls(model):
         return
     prof = profile(steps=False)
-    dtypes = compute_dtypes(model)
-    dtype = next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
+    dtype = _narrowest(model)
     if dtype in prof.matmul and "xla" in prof.matmul[dtype]:
         xla.set_measured_default("matmul", prof.device_type, prof.matmul_xla_wins(dtype))
     if xla.uses_xla("matmul", prof.device_type) or not xla.xla_available(prof.device_type):
         return
-    for act in _fused_dense_activations(model):
+    for act in fused_dense_activations(model):
         speedup = epilogue(act, dtype, prof.device_type)
         xla.set_measured_epilogue(act, prof.device_type, speedup > 1.0)
 
 
-def _fused_dense_activations(model: keras.Model) -> list[str]:
+def _narrowest(model: keras.Model) -> str:
+    dtypes = compute_dtypes(model)
+    return next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
+
+
+#: Marks the child process's answer on its standard output.
+_MARK = "KERAS_MP_MEASURED "
+_CHILD = ("import json, sys\n"
+          "from keras_mp.execution import placement\n"
+          "print(placement._MARK + json.dumps(placement._measure_here(*json.loads(sys.argv[1]))),"
+          " flush=True)\n")
+
+
+def _measure_here(dtype: str, activations: list[str]) -> dict:
+    """What :func:`measure_elsewhere`'s child process measures and prints."""
+    prof = profile(steps=False)
+    available = xla.xla_available("CPU")
+    return {"xla_available": available, "matmul": prof.matmul,
+            "epilogues": {a: epilogue(a, dtype, "CPU") for a in activations} if available else {}}
+
+
+def measure_elsewhere(model: keras.Model, *, timeout: float = 300.0) -> bool:
+    """On a CPU, measures in a child Python process what this process would
+    otherwise compile XLA code to measure for ``model``: whether XLA runs,
+    graph against XLA matmul throughput (:func:`keras_mp.execution.micro_benchmark.profile`
+    with ``steps=False``) and the epilogues of its fused ``Dense`` layers'
+    activations in its narrowest compute dtype (:func:`epilogue`); this
+    process keeps the results as its own.
+
+    A process's first XLA compilation loads XLA's runtime, which it keeps:
+    68 MiB of resident memory on a 2-core AMD EPYC with AVX512-BF16. A model
+    for which keras_mp compiles nothing
+    (:func:`keras_mp.execution.reasons.little_to_compile`) then never loads
+    it: the quick bench's MLP peaked at 685 MiB, as Keras ``mixed_bfloat16``
+    (686), against 792 with the measurements made here. The child takes a
+    few seconds (most of them importing TensorFlow), once per process.
+
+    Args:
+        model: a Keras model.
+        timeout: seconds to wait for the child (> 0).
+
+    Returns:
+        True where the results are kept (measured now or before), False
+        where nothing was measured elsewhere (not a CPU, or the child
+        failed, which is logged): then the measurements happen here when
+        asked for.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"`timeout` must be a number > 0, got {timeout!r}.")
+    if xla.current_device_type() != "CPU":
+        return False
+    dtype = _narrowest(model)
+    activations = fused_dense_activations(model)
+    with _lock:
+        missing = [a for a in activations if (a, dtype, "CPU") not in _epilogue_cache]
+    if micro_benchmark.cached("CPU", steps=False) is not None and not missing:
+        return True
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.run([sys.executable, "-P", "-c", _CHILD, json.dumps([dtype, missing])],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+        line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith(_MARK))
+        found = json.loads(line[len(_MARK):])
+    except (OSError, subprocess.SubprocessError, StopIteration, ValueError) as e:
+        _log.info("keras_mp: could not measure matmuls in a child process (%s); measuring "
+                  "here.", e)
+        return False
+    xla.record_available("CPU", bool(found["xla_available"]))
+    micro_benchmark.remember(micro_benchmark.ExecutionProfile(
+        "CPU", bool(found["xla_available"]), {}, found["matmul"]))
+    with _lock:
+        for a, speedup in found["epilogues"].items():
+            _epilogue_cache[(a, dtype, "CPU")] = float(speedup)
+    return True
+
+
+def fused_dense_activations(model: keras.Model) -> list[str]:
+    """The epilogue kernels (:func:`epilogue`'s names) of ``model``'s fused
+    ``Dense`` layers, sorted.
+
+    Example:
+        >>> import keras
+        >>> from keras_mp import fused
+        >>> model = fused.fuse(keras.Sequential([keras.Input((4,)),
+        ...                                      keras.layers.Dense(8, activation="relu")]))
+        >>> fused_dense_activations(model)
+        ['relu']
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
     names = set()
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, fused_layers.Dense) and layer.fused:

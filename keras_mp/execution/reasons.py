@@ -22,12 +22,13 @@ import keras
 from keras_mp.device import memory, xla
 from keras_mp.execution import (fused_update, micro_benchmark, native_update, optimizer_state,
                                 step_trial)
-from keras_mp.execution.placement import MIN_SHARE, compute_dtypes, weight_share
+from keras_mp.execution.placement import (MIN_SHARE, compute_dtypes, fused_dense_activations,
+                                         weight_share)
 from keras_mp.fused import layers as fused_layers
 
 __all__ = ["MAPS_BUDGET", "XLA_MATMUL_FLOOR", "SMALL_OUTPUT", "maps", "graph_only",
-           "slow_matmul", "convolution", "little_to_compile", "update_only", "update_memory",
-           "update_native"]
+           "slow_matmul", "convolution", "small_xla_work", "little_to_compile", "update_only",
+           "update_memory", "update_native"]
 
 #: Past this fraction of the process's memory maps (:func:`keras_mp.device.xla.memory_maps`),
 #: no new XLA compilation is tried.
@@ -149,23 +150,67 @@ def _output_values(model: keras.Model) -> int | None:
     return sum(math.prod(int(d) for d in tuple(t.shape)[1:]) for t in outputs)
 
 
+#: Layers whose work is matmuls (keras_mp's fused ``Dense`` is a ``Dense``).
+_MATMULS = (keras.layers.Dense, keras.layers.EinsumDense)
+
+
+def small_xla_work(model: keras.Model) -> str | None:
+    """Which layers hold the weights of a model whose XLA work in keras_mp
+    would be small, from the model alone: ``"convolution"`` or ``"dense"``
+    where those hold all but :data:`~keras_mp.execution.placement.MIN_SHARE`
+    of its weights, on a CPU, with no fused normalization, softmax,
+    attention or embedding layer and outputs of at most
+    :data:`SMALL_OUTPUT` values per example (the fused loss's work); None
+    otherwise. :func:`little_to_compile` then decides; for ``"dense"`` it
+    asks measurements, which :func:`keras_mp.execution.configure` makes in a
+    child process (:func:`keras_mp.execution.placement.measure_elsewhere`).
+
+    Example:
+        >>> import keras
+        >>> from keras_mp.execution import reasons
+        >>> mlp = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+        >>> reasons.small_xla_work(mlp)   # on a CPU
+        'dense'
+    """
+    _check(model)
+    if xla.current_device_type() != "CPU":
+        return None
+    if any(isinstance(layer, _ELEMENTWISE_FUSED)
+           for layer in model._flatten_layers(include_self=False)):
+        return None
+    values = _output_values(model)
+    if values is None or values > SMALL_OUTPUT:
+        return None
+    for kind, classes in (("convolution", _CONVOLUTIONS), ("dense", _MATMULS)):
+        if weight_share(model, classes) >= 1 - MIN_SHARE:
+            return kind
+    return None
+
+
 def little_to_compile(model: keras.Model) -> str | None:
     """Why keras_mp compiles nothing with XLA for this model (None where it
-    may): on a CPU, a model whose convolutions hold all but
-    :data:`~keras_mp.execution.placement.MIN_SHARE` of its weights, with no
-    fused normalization, softmax, attention or embedding layer, and whose
-    outputs hold at most :data:`SMALL_OUTPUT` values per example (the fused
-    loss's work). The whole step is not tried under XLA there
-    (:func:`convolution`); the update under XLA has little to fuse, since a
-    convolution's weights are used at every position (the bench's CNN has 288
-    thousand weights and about 30 GFLOP a step, forward and backward; its
-    trial measured the update under XLA at 188.6 ms of CPU per step against
-    183.9 as a graph); and XLA's runtime, loaded by the first compilation and
-    kept for the life of the process, alone took 47 MiB of resident memory
-    (2-core AMD EPYC with AVX512-BF16). So the step is traced inside
-    :func:`keras_mp.device.xla.disabled`: a fused head, loss and metric run
-    their TensorFlow reference ops, and the trial does not try the update
-    under XLA.
+    may): its XLA work is small (:func:`small_xla_work`), and either
+
+    * convolutions hold its weights. The whole step is not tried under XLA
+      there (:func:`convolution`); the update under XLA has little to fuse,
+      since a convolution's weights are used at every position (the bench's
+      CNN has 288 thousand weights and about 30 GFLOP a step, forward and
+      backward; its trial measured the update under XLA at 188.6 ms of CPU
+      per step against 183.9 as a graph); or
+    * ``Dense`` layers hold them, the whole step under XLA cannot win
+      (:func:`slow_matmul`), the update needs no XLA (it is native,
+      :func:`update_native`, or cannot be compiled alone), and the fused
+      layers' matmuls and epilogues were measured faster outside XLA
+      (:mod:`keras_mp.execution.placement`).
+
+    XLA's runtime, loaded by a process's first compilation and kept for its
+    life, took 47-68 MiB of resident memory (2-core AMD EPYC with
+    AVX512-BF16); the quick bench's MLP peaked at 685 MiB without it, as
+    Keras ``mixed_bfloat16`` did (686), against 792 with it. So the step is
+    traced inside :func:`keras_mp.device.xla.disabled`: fused layers, loss
+    and metric run their TensorFlow reference ops, and the trial tries
+    nothing under XLA. ``keras_mp.set_xla("elementwise", True)`` asks for
+    XLA's kernels anyway, and gets them.
 
     Example:
         >>> import keras
@@ -175,22 +220,35 @@ def little_to_compile(model: keras.Model) -> str | None:
         >>> reasons.little_to_compile(cnn).startswith("convolutions hold")  # on a CPU
         True
         >>> mlp = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
-        >>> reasons.little_to_compile(mlp) is None
+        >>> reasons.little_to_compile(mlp) is None   # no optimizer yet
         True
     """
-    if _convolution_on_cpu(model) is None:
-        return None
-    share = weight_share(model, _CONVOLUTIONS)
-    if share < 1 - MIN_SHARE or any(isinstance(layer, _ELEMENTWISE_FUSED)
-                                    for layer in model._flatten_layers(include_self=False)):
+    kind = small_xla_work(model)
+    if kind is None or xla.forced("elementwise"):   # asked for: keras_mp.set_xla
         return None
     values = _output_values(model)
-    if values is None or values > SMALL_OUTPUT:
+    if kind == "convolution":
+        return (f"convolutions hold {weight_share(model, _CONVOLUTIONS):.1%} of its weights, "
+                "keras_mp fuses no normalization, softmax or attention in it and its outputs "
+                f"are {values} values per example: too little XLA work to pay for the memory "
+                "XLA's runtime takes, so keras_mp compiles nothing for it")
+    update = update_native(model)
+    if update is None and getattr(model, "optimizer", None) is not None:
+        update = update_only(model)
+    if update is None:
         return None
-    return (f"convolutions hold {share:.1%} of its weights, keras_mp fuses no normalization, "
-            f"softmax or attention in it and its outputs are {values} values per example: "
-            "too little XLA work to pay for the memory XLA's runtime takes, so keras_mp "
-            "compiles nothing for it")
+    if any(isinstance(layer, fused_layers.Dense)
+           for layer in model._flatten_layers(include_self=False)) and xla.uses_xla("matmul"):
+        return None
+    if any(xla.fuses_epilogue(a) for a in fused_dense_activations(model)):
+        return None
+    slow = slow_matmul(model)
+    if slow is None:
+        return None
+    return (f"Dense layers hold {weight_share(model, _MATMULS):.1%} of its weights, {slow}, "
+            f"{update}, keras_mp fuses no normalization, softmax or attention in it, and its "
+            f"outputs are {values} values per example: too little XLA work to pay for the "
+            "memory XLA's runtime takes, so keras_mp compiles nothing for it")
 
 
 def update_only(model: keras.Model) -> str | None:
