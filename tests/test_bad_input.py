@@ -545,6 +545,8 @@ CASES = [
     ("execution.placement.measure_elsewhere",
      lambda: execution.placement.measure_elsewhere(_model(), timeout=0), ValueError,
      "`timeout`"),
+    ("execution.placement.narrowest", lambda: execution.placement.narrowest("m"), TypeError,
+     "`model`"),
     ("execution.placement.fused_dense_activations",
      lambda: execution.placement.fused_dense_activations("m"), TypeError, "`model`"),
     ("execution.micro_benchmark.remember", lambda: execution.micro_benchmark.remember({}),

@@ -153,9 +153,10 @@ def _amax_and_flushed(x: tf.Tensor, tiny: tf.Tensor, stride: int):
 #: TensorFlow reductions (its maximum and minimum; for a 16-bit tensor on CPU,
 #: of its bits: :func:`_amax_of_bits`), not from the XLA kernel: XLA:CPU
 #: reduces a 16-bit tensor through a float32 copy of it. On GPT-2's
-#: ``[2048, 50257]`` bfloat16 logits (2-core AMD EPYC) the kernel raised TensorFlow's allocator peak by 512 MiB, the two reductions
-#: by nothing (71.5 against 57.4 ms CPU), and that copy on the statistics
-#: step grew the process by 1.2 GB.
+#: ``[2048, 50257]`` bfloat16 logits (2-core AMD EPYC) the kernel raised
+#: TensorFlow's allocator peak by 512 MiB, the two reductions by nothing
+#: (71.5 against 57.4 ms CPU), and that copy on the statistics step grew the
+#: process by 1.2 GB.
 LARGE = 1 << 22
 
 

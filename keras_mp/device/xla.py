@@ -55,9 +55,9 @@ from typing import Literal, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["Kind", "set_xla", "forced", "uses_xla", "disabled", "jit", "xla_available", "record_available",
-           "cpu_has_bf16_matmul",
-           "set_measured_default", "fuses_epilogue", "set_measured_epilogue", "memory_maps"]
+__all__ = ["Kind", "set_xla", "forced", "uses_xla", "disabled", "jit", "xla_available",
+           "record_available", "cpu_has_bf16_matmul", "set_measured_default", "fuses_epilogue",
+           "set_measured_epilogue", "memory_maps"]
 
 Kind = Literal["elementwise", "matmul", "multi_tensor"]
 KINDS: tuple[str, ...] = ("elementwise", "matmul", "multi_tensor")
@@ -197,7 +197,11 @@ def fuses_epilogue(activation: str, device_type: str | None = None) -> bool:
 
     Example:
         >>> from keras_mp.device import xla
+        >>> xla.set_xla("elementwise", False)    # forced: TensorFlow's ops
         >>> xla.fuses_epilogue("gelu", "CPU")
+        False
+        >>> xla.set_xla("elementwise", None)     # measured where configure ran, else the default
+        >>> xla.fuses_epilogue("gelu", "CPU") in (True, False)
         True
     """
     _check_activation(activation)

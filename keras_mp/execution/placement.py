@@ -35,7 +35,7 @@ from keras_mp.fused import layers as fused_layers
 from keras_mp.fused import ops as kops
 
 __all__ = ["MIN_SHARE", "apply", "compute_dtypes", "epilogue", "fused_dense_activations",
-           "measure_elsewhere", "weight_share"]
+           "measure_elsewhere", "narrowest", "weight_share"]
 
 #: The share of a model's weight elements its fused matmul layers must hold for
 #: :func:`apply` to measure where their matmuls run; below it, the defaults of
@@ -113,7 +113,7 @@ def apply(model: keras.Model) -> None:
     if not _places_matmuls(model):
         return
     prof = profile(steps=False)
-    dtype = _narrowest(model)
+    dtype = narrowest(model)
     if dtype in prof.matmul and "xla" in prof.matmul[dtype]:
         xla.set_measured_default("matmul", prof.device_type, prof.matmul_xla_wins(dtype))
     if xla.uses_xla("matmul", prof.device_type) or not xla.xla_available(prof.device_type):
@@ -123,7 +123,18 @@ def apply(model: keras.Model) -> None:
         xla.set_measured_epilogue(act, prof.device_type, speedup > 1.0)
 
 
-def _narrowest(model: keras.Model) -> str:
+def narrowest(model: keras.Model) -> str:
+    """The narrowest of ``model``'s compute dtypes (:func:`compute_dtypes`):
+    the one its matmuls are measured in.
+
+    Example:
+        >>> import keras
+        >>> narrowest(keras.Sequential([keras.Input((4,)),
+        ...                             keras.layers.Dense(2, dtype="mixed_bfloat16")]))
+        'bfloat16'
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
     dtypes = compute_dtypes(model)
     return next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
 
@@ -176,7 +187,7 @@ def measure_elsewhere(model: keras.Model, *, timeout: float = 300.0) -> bool:
         raise ValueError(f"`timeout` must be a number > 0, got {timeout!r}.")
     if xla.current_device_type() != "CPU":
         return False
-    dtype = _narrowest(model)
+    dtype = narrowest(model)
     activations = fused_dense_activations(model)
     with _lock:
         missing = [a for a in activations if (a, dtype, "CPU") not in _epilogue_cache]

@@ -22,7 +22,7 @@ import keras
 from keras_mp.device import memory, xla
 from keras_mp.execution import (fused_update, micro_benchmark, native_update, optimizer_state,
                                 step_trial)
-from keras_mp.execution.placement import (MIN_SHARE, compute_dtypes, fused_dense_activations,
+from keras_mp.execution.placement import (MIN_SHARE, fused_dense_activations, narrowest,
                                          weight_share)
 from keras_mp.fused import layers as fused_layers
 
@@ -89,8 +89,7 @@ def slow_matmul(model: keras.Model) -> str | None:
     under XLA lost on every bench model; each try costs an XLA compilation
     that stays in memory.)"""
     _check(model)
-    dtypes = compute_dtypes(model)
-    dtype = next((d for d in ("bfloat16", "float16", "float32") if d in dtypes), "float32")
+    dtype = narrowest(model)
     speeds = micro_benchmark.profile(steps=False).matmul.get(dtype, {})
     if "xla" not in speeds or "graph" not in speeds:
         return None
