@@ -34,8 +34,9 @@ What the callback does, and when:
   narrowest candidate) to the logs, so ``History`` records them; with
   ``log_dir``, writes per-layer scalars for TensorBoard.
 
-Persistence: the per-layer dtypes and controller records live in the policy
-(which Keras writes into every layer's config in a ``.keras`` file) and in
+Persistence: the per-layer dtypes, controller records and step count live in
+the policy (written once per model into a ``.keras`` file, read back whatever
+the loading process's global policy: :mod:`keras_mp.adaptive.saved_policy`) and in
 variables of a small state object attached to the model (which
 ``save_weights``, ``ModelCheckpoint``, ``BackupAndRestore`` and
 ``tf.train.Checkpoint(model=...)`` save and load). When ``fit`` starts, those
@@ -223,6 +224,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
         object.__setattr__(self._stats, "hooks", hooks)
         self._state, created = attached(model, _STATE_ATTR, PrecisionState, self._paths,
                                         lambda: PrecisionState(self._paths))
+        if created and policy.loaded:
+            self._calls = policy.calls  # a loaded model: its history's steps go on
         if created or not self._state.restored(policy.candidates):
             # Otherwise a checkpoint was just loaded into the variables: keep
             # them for on_epoch_begin to adopt.
@@ -314,7 +317,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         """Adopts the state variables if they differ from the policy: a
         checkpoint (e.g. ``BackupAndRestore``) was loaded into them."""
         states, calls = self._state.read(self._policy.candidates)
-        self._calls = calls
+        self._calls = self._policy.calls = calls
         if states == self._states():
             return
         changed = False
@@ -413,6 +416,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         if self._inert:
             return []
         self._calls += 1
+        self._policy.calls = self._calls  # saved with the policy
         if self._calls % self.interval:
             return []
         return self.update()

@@ -3,7 +3,8 @@
 Keras gives weightless layers no ``path`` (they are never built), so a
 ``DTypePolicyMap`` could never reach them: :func:`adaptive_layers` names them
 first, the way Keras would have. :func:`policy_of` makes every layer of a
-loaded model share one :class:`~keras_mp.AdaptivePolicy` again. Both
+model share one :class:`~keras_mp.AdaptivePolicy` (the model's own, never
+the global policy of the moment instead). Both
 :mod:`keras_mp.adaptive.float8` and the callback walk models through here;
 :mod:`keras_mp.policies` re-exports both functions.
 
@@ -50,9 +51,12 @@ def _name_paths(container: keras.layers.Layer) -> None:
 def policy_of(model: keras.Model) -> AdaptivePolicy | None:
     """The :class:`AdaptivePolicy` that ``model``'s layers use, or None.
 
-    A model loaded from a ``.keras`` file gives each layer its own copy of
-    the policy (Keras deserializes each layer's ``dtype`` separately); this
-    makes them share one, so that a change reaches every layer.
+    If its layers hold several (a model rebuilt from a config outside
+    ``load_model``, whose layers each got a copy, and whose sublayers made
+    in a custom layer's ``__init__`` took the global policy), they all take
+    the first one that is not the current global policy: the model's own,
+    with its decisions. A fresh global policy (``set_global_policy`` before
+    ``load_model``) never replaces it.
     """
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
@@ -64,8 +68,8 @@ def policy_of(model: keras.Model) -> AdaptivePolicy | None:
         return None
     _name_paths(model)
     current = keras.config.dtype_policy()
-    policies = [layer._dtype_policy for layer in found]
-    chosen = current if any(p is current for p in policies) else policies[0]
+    chosen = next((layer._dtype_policy for layer in found
+                   if layer._dtype_policy is not current), found[0]._dtype_policy)
     for layer in found:
         if layer._dtype_policy is not chosen:
             # Not the `dtype_policy` setter: it would insert into the map.

@@ -13,9 +13,11 @@ train step) changes that layer's precision. Variables always stay float32
 :mod:`keras_mp.adaptive.float8`).
 
 Besides the entries, the policy carries what the adaptive controller knows per
-layer (its state, its last statistics and its switch history), so that the
-``dtype`` that Keras writes into each layer's config in a ``.keras`` file
-restores all of it.
+layer (its state, its last statistics, its probe errors and its switch
+history) and the count of train steps it has seen, so that a ``.keras`` file
+restores all of it: the first layer's config holds the whole policy, the
+others a short reference, and a load makes them one policy again
+(:mod:`keras_mp.adaptive.saved_policy`).
 
 Example:
     >>> import keras, keras_mp
@@ -42,6 +44,7 @@ from keras.dtype_policies import DTypePolicy, DTypePolicyMap
 
 from keras_mp import _checks as checks
 from keras_mp import device
+from keras_mp.adaptive import saved_policy
 from keras_mp.adaptive.float8_policy import Float8Policy, Float8Recipe
 from keras_mp.adaptive.rule import DecisionRule, sort_candidates
 
@@ -98,6 +101,9 @@ class AdaptivePolicy(DTypePolicyMap):
             gradients lie further apart than float16's range all stay in
             float16 (see :mod:`keras_mp.scaling.layer_scales`). The optimizer
             becomes a ``keras_mp.LossScaleOptimizer(..., layer_scales=True)``.
+        calls: train-function calls the controller has counted (restored
+            from a config: a loaded model's switch history and probe cadence
+            continue from there).
 
     Example:
         >>> from keras_mp import AdaptivePolicy
@@ -119,7 +125,8 @@ class AdaptivePolicy(DTypePolicyMap):
                  records: dict[str, dict[str, Any]] | None = None,
                  float8_recipe: Float8Recipe | dict | None = None,
                  float8: dict[str, str] | None = None,
-                 layer_loss_scales: bool = False):
+                 layer_loss_scales: bool = False,
+                 calls: int = 0):
         if candidates is None:
             candidates = device.default_candidates()
         self._candidates = sort_candidates(candidates)
@@ -150,6 +157,10 @@ class AdaptivePolicy(DTypePolicyMap):
         for path, entry in (policies or {}).items():
             self.set_policy(path, entry)
         self.records: dict[str, dict[str, Any]] = copy.deepcopy(records or {})
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"`calls` must be an int >= 0, got {calls!r}.")
+        self.calls = calls
+        self.loaded = False  # read from a file (saved_policy.read)
         self._override: dict[str, str] = {}
 
     # -- the policy ------------------------------------------------------
@@ -376,25 +387,50 @@ class AdaptivePolicy(DTypePolicyMap):
 
     # -- serialization ---------------------------------------------------
 
+    def merge(self, other: AdaptivePolicy) -> None:
+        """Takes ``other``'s rule, settings, entries and records (another
+        copy of this policy read from a file; see
+        :mod:`keras_mp.adaptive.saved_policy`)."""
+        if not isinstance(other, AdaptivePolicy) or other.candidates != self.candidates:
+            raise ValueError(f"`other` must be an AdaptivePolicy with the candidates "
+                             f"{self.candidates}, got {other!r}.")
+        self.rule, self.float8_recipe = other.rule, other.float8_recipe
+        self.layer_loss_scales = other.layer_loss_scales
+        for path, dtype in other.float8_layers().items():
+            self.set_float8(path, dtype)
+        for path, dtype in other.assignments().items():
+            self.assign(path, dtype)
+        for path, entry in other.policies().items():
+            self.set_policy(path, entry)
+        self.records.update(copy.deepcopy(other.records))
+        self.calls = max(self.calls, other.calls)
+
     def get_config(self) -> dict[str, Any]:
-        return {
+        head = {
             # Resolved, not None: a model resumed on another device must
             # continue with the precisions it had.
             "candidates": list(self._candidates),
-            "rule": self.rule.get_config(),
             "name": self._adaptive_name,
+            "layer_loss_scales": self.layer_loss_scales,
+        }
+        if not saved_policy.first_in_save(self):
+            # Saving a model: an earlier layer's config holds the rest.
+            return {**head, saved_policy.SHORT: True}
+        return {
+            **head,
+            "rule": self.rule.get_config(),
             "assignments": self.assignments(),
             "policies": {path: keras.saving.serialize_keras_object(policy)
                          for path, policy in self.policies().items()},
             "records": copy.deepcopy(self.records),
             "float8_recipe": self.float8_recipe.get_config(),
             "float8": self.float8_layers(),
-            "layer_loss_scales": self.layer_loss_scales,
+            "calls": self.calls,
         }
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects=None) -> AdaptivePolicy:
-        return cls(**config)
+        return saved_policy.read(cls, config)
 
     def __repr__(self) -> str:
         others = {path: p.name for path, p in self.policies().items()}

@@ -1,0 +1,114 @@
+"""An :class:`keras_mp.AdaptivePolicy` in a ``.keras`` file: written once per
+model, read back as the one policy that every layer of the loaded model
+shares, whatever the global policy of the loading process.
+
+Keras writes a layer's ``dtype`` into each layer's config, so a policy shared
+by every layer would be written once per layer (its records with it: the
+text classifier of issue 41 grew from 6 KB to 135 KB). While Keras saves a
+model (inside its ``ObjectSharingScope``), :func:`first_in_save` lets the
+first layer's config carry the whole policy and the others only its name and
+candidates.
+
+While Keras loads a model, :func:`read` makes every config of one policy
+(however many, in any order, full or short, from files of any keras-mp
+version) one object again, and makes it the global policy until the load
+ends: layers that a custom layer creates in its ``__init__`` without a
+``dtype`` (a Transformer block's projections) are not in the file, and took
+the global policy when they were built in training, so they take the loaded
+one now. Without that a model saved under an adaptive policy loaded with the
+loading process's policy in those layers: other dtypes, or a
+float16-meets-float32 error inside the block. :func:`install` (called on
+import) wraps Keras's ``ObjectSharingScope.__exit__`` to restore the global
+policy when the load ends.
+
+Example:
+    >>> import keras, keras_mp, tempfile, os
+    >>> with keras_mp.policy_scope("adaptive_bfloat16"):
+    ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+    ...                               keras.layers.Dense(2)])
+    >>> path = os.path.join(tempfile.mkdtemp(), "m.keras")
+    >>> model.save(path)
+    >>> loaded = keras.saving.load_model(path)
+    >>> loaded.layers[0].dtype_policy is loaded.layers[1].dtype_policy
+    True
+    >>> keras_mp.global_policy().name
+    'float32'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keras.src.backend.common import global_state  # no public name
+from keras.src.saving import serialization_lib  # no public name
+
+__all__ = ["SHORT", "first_in_save", "read", "install"]
+
+#: The key of a short config: the whole policy is in another layer's config.
+SHORT = "in_another_layer"
+
+_WRITTEN = "keras_mp/adaptive_policies_written"  # in the save's id -> config map
+_LOADED = "keras_mp/adaptive_policies_loaded"  # in the load's id -> object map
+_GLOBAL = "keras_mp/global_policy_before_load"
+
+
+def _scope(name: str) -> dict | None:
+    """Keras's map of the save (``"id_to_config_map"``) or load
+    (``"id_to_obj_map"``) in progress, or None."""
+    return global_state.get_global_attribute(f"shared_objects/{name}")
+
+
+def first_in_save(policy: Any) -> bool:
+    """Whether ``policy``'s config must be written whole: outside a save,
+    or the first time this save writes it."""
+    written = _scope("id_to_config_map")
+    if written is None:
+        return True
+    seen = written.setdefault(_WRITTEN, set())
+    if id(policy) in seen:
+        return False
+    seen.add(id(policy))
+    return True
+
+
+def read(cls, config: dict[str, Any]):
+    """The policy ``config`` describes: inside a load, the one policy of that
+    name and candidates this load has read (``config``'s records and
+    entries merged into it), made the global policy until the load ends."""
+    config = dict(config)
+    short = bool(config.pop(SHORT, False))
+    loaded = _scope("id_to_obj_map")
+    if loaded is None:
+        return cls(**config)
+    policies = loaded.setdefault(_LOADED, {})
+    key = (config.get("name"), tuple(sorted(config.get("candidates") or ())))
+    policy = policies.get(key)
+    if policy is None:
+        policy = policies[key] = cls(**config)
+        policy.loaded = True
+        if _GLOBAL not in loaded:
+            loaded[_GLOBAL] = global_state.get_global_attribute("dtype_policy", None)
+            global_state.set_global_attribute("dtype_policy", policy)
+    elif not short:
+        policy.merge(cls(**config))
+    return policy
+
+
+def install() -> None:
+    """Wraps ``ObjectSharingScope.__exit__`` (once) so that a load restores
+    the global policy that :func:`read` replaced."""
+    scope = serialization_lib.ObjectSharingScope
+    if getattr(scope.__exit__, "_keras_mp", False):
+        return
+    keras_exit = scope.__exit__
+
+    def __exit__(self, *args, **kwargs):
+        loaded = _scope("id_to_obj_map")
+        try:
+            return keras_exit(self, *args, **kwargs)
+        finally:
+            if loaded is not None and _GLOBAL in loaded:
+                global_state.set_global_attribute("dtype_policy", loaded[_GLOBAL])
+
+    __exit__._keras_mp = True
+    scope.__exit__ = __exit__
