@@ -9,7 +9,10 @@ it adds one with default settings (the same one for every ``fit`` of that
 model, so a second ``fit`` continues the first). Everything else passes
 through untouched: models under a static policy, models that override
 ``fit``, and calls that pass their own ``AdaptivePrecision`` (which is how
-to configure it).
+to configure it). Where other code replaced ``keras.Model.fit`` before
+``import keras_mp``, its wrapper is wrapped if it passes ``**kwargs`` on;
+otherwise a warning says once that fit will not adapt and what to pass by
+hand (see :func:`install`).
 
 :func:`set_enabled` turns this off (and on again); with it off, an adaptive
 model trained without ``AdaptivePrecision`` keeps its precisions and a
@@ -41,7 +44,7 @@ from keras_mp.adaptive.controlled_layers import policy_of
 __all__ = ["callback_of", "enabled", "install", "set_enabled"]
 
 _ATTR = "auto_callback"  # kept in the model's keras_mp._installed holder
-_state = {"enabled": True, "warned": False, "keras_fit": None}
+_state = {"enabled": True, "warned": False, "warned_by_hand": False, "keras_fit": None}
 
 
 def enabled() -> bool:
@@ -96,23 +99,67 @@ def _with_adaptive(model: keras.Model, callbacks):
     return [*given, cb]
 
 
+def _keras_signature() -> inspect.Signature:
+    """The signature of Keras's own ``fit`` (whatever wraps it now)."""
+    for cls in keras.Model.__mro__:
+        fn = cls.__dict__.get("fit")
+        if fn is not None and getattr(fn, "__module__", "").startswith("keras."):
+            return inspect.signature(fn)
+    raise RuntimeError("Keras's own Model.fit was not found.")  # pragma: no cover
+
+
+def _warn_by_hand(why: str) -> None:
+    if not _state["warned_by_hand"]:
+        _state["warned_by_hand"] = True
+        warnings.warn(
+            f"keras_mp: {why}, so fit cannot add keras_mp's AdaptivePrecision by itself: "
+            "models under an adaptive policy keep their precisions unless you pass "
+            "callbacks=[keras_mp.callbacks.AdaptivePrecision()] to fit.", stacklevel=3)
+
+
 def install() -> None:
-    """Wraps ``keras.Model.fit`` (once; idempotent). Called on import."""
+    """Wraps ``keras.Model.fit`` (once; idempotent). Called on import.
+
+    If other code replaced ``keras.Model.fit`` before (a wrapper), the
+    wrapper is wrapped: the callbacks are found by Keras's own signature and
+    handed on by keyword, which a wrapper taking ``**kwargs`` passes on. A
+    replacement that takes no ``callbacks`` and no ``**kwargs`` cannot be
+    adapted: a warning says so once, with what to pass by hand.
+    """
     if _state["keras_fit"] is not None:
         return
     keras_fit = keras.Model.fit
     signature = inspect.signature(keras_fit)
-    if "callbacks" not in signature.parameters:  # pragma: no cover - another Keras
-        return
+    params = signature.parameters
+    if "callbacks" not in params:
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            _warn_by_hand(f"keras.Model.fit was replaced by {keras_fit.__qualname__!r} "
+                          f"(of {keras_fit.__module__}), which takes no `callbacks`")
+            return
+        signature = _keras_signature()  # a wrapper: (self, *args, **kwargs)
 
     @functools.wraps(keras_fit)
     def fit(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            # Arguments Keras's fit would refuse: let whoever wrapped it say so.
+            return keras_fit(self, *args, **kwargs)
         callbacks = bound.arguments.get("callbacks")
         new = _with_adaptive(self, callbacks)
         if new is not callbacks:
             bound.arguments["callbacks"] = new
-        return keras_fit(*bound.args, **bound.kwargs)
+        if "callbacks" in params:
+            return keras_fit(*bound.args, **bound.kwargs)
+        # A wrapper with **kwargs: callbacks by keyword, the rest as given.
+        n = len(args) + 1
+        names = list(signature.parameters)
+        if "callbacks" in names[:n]:
+            args = list(args)
+            args[names.index("callbacks") - 1] = bound.arguments["callbacks"]
+        elif new is not callbacks:
+            kwargs = {**kwargs, "callbacks": new}
+        return keras_fit(self, *args, **kwargs)
 
     _state["keras_fit"] = keras_fit
     keras.Model.fit = fit

@@ -25,7 +25,8 @@ What the callback does, and when:
   (:mod:`keras_mp.adaptive.hooks`); the execution trial times its plain
   steps. The probe is traced on its own and runs on the batch the
   statistics step then trains on (:mod:`keras_mp.adaptive.step_functions`);
-* every ``interval`` calls: reads the statistics once, asks
+* after ``first_decision`` calls (early judgement), then every ``interval``
+  calls: reads the statistics once, asks
   :func:`keras_mp.adaptive.controller.decide`, assigns the new dtypes in the policy and
   rebuilds the train functions only if a dtype (or a trial) changed.
   Optimizer variables are untouched (variables stay float32).
@@ -64,6 +65,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_mp import _checks as checks
 from keras_mp import _installed, execution
 from keras_mp.adaptive import controller, float8, optimizer_setup, switching, tensorboard
 from keras_mp.adaptive.loss_scales import LossScales
@@ -118,6 +120,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
             ``schedule``); None: ``"dynamic"`` when float16 is a candidate and
             no wrapper otherwise. Ignored if the optimizer already is a
             :class:`keras_mp.LossScaleOptimizer`.
+        first_decision: an int >= 1: a ``fit`` from scratch decides first after
+            this many calls or the first epoch if shorter, when before ``interval``
+            (:func:`~keras_mp.adaptive.step_functions.first_call`); None: at ``interval``.
         log_dir: a directory for TensorBoard scalars (per layer: compute
             bits and key statistics; the loss scale; probe errors; switches),
             or None.
@@ -142,18 +147,15 @@ class AdaptivePrecision(keras.callbacks.Callback):
 
     def __init__(self, interval: int = 100, *, statistics_every: int | None = None,
                  probe_every: int | None | str = "auto", loss_scale: Any = None,
-                 log_dir: str | None = None, verbose: int = 0):
+                 first_decision: int | None = 20, log_dir: str | None = None,
+                 verbose: int = 0):
         super().__init__()
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"`interval` must be an int >= 1, got {interval!r}.")
+        checks.count("interval", interval, 1)
         if statistics_every is None:
             # Five samples per decision, and never fewer than one step in 20
             # (the overhead budget: `python -m benchmarks.adaptive_overhead`).
             statistics_every = min(20, max(1, interval // 5))
-        if isinstance(statistics_every, bool) or not isinstance(statistics_every, int) \
-                or not 1 <= statistics_every <= interval:
-            raise ValueError("`statistics_every` must be an int in [1, interval] = "
-                             f"[1, {interval}], got {statistics_every!r}.")
+        checks.count("statistics_every", statistics_every, 1, interval)  # in [1, interval]
         if probe_every == "auto":
             probe_every = 2 * interval
         if probe_every is not None and (isinstance(probe_every, bool)
@@ -175,6 +177,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self.statistics_every = statistics_every
         self.probe_every = probe_every
         self.loss_scale = loss_scale
+        self.first_decision = None if first_decision is None else checks.count(
+            "first_decision", first_decision, 1)
+        self._first: int | None = None  # this fit's early decision (step_functions.first_call)
         self.log_dir = log_dir
         self.verbose = verbose
         self.events: list[dict[str, Any]] = []
@@ -224,8 +229,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         object.__setattr__(self._stats, "hooks", hooks)
         self._state, created = attached(model, _STATE_ATTR, PrecisionState, self._paths,
                                         lambda: PrecisionState(self._paths))
-        if created and policy.loaded:
-            self._calls = policy.calls  # a loaded model: its history's steps go on
+        self._calls = policy.calls if created and policy.loaded else self._calls  # steps go on
         if created or not self._state.restored(policy.candidates):
             # Otherwise a checkpoint was just loaded into the variables: keep
             # them for on_epoch_begin to adopt.
@@ -359,6 +363,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._restored = False
+        self._first = step_functions.first_call(self.first_decision, self.interval, (
+            self.params or {}).get("steps"), self._calls)  # from scratch: judge early
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._inert:
@@ -372,10 +378,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self._inert:
             return
-        call = self._calls + 1
-        probe = self.probe_every is not None and call % self.probe_every == 0
-        stats = probe or call % self.statistics_every == 0
-        self.model.train_function = self._train_functions()[2 if probe else 1 if stats else 0]
+        kind = step_functions.kind_of_call(self._calls + 1, self.statistics_every,
+                                           self.probe_every, self._first)
+        self.model.train_function = self._train_functions()[kind]
 
     def on_train_batch_end(self, batch, logs=None):
         # Here, not at the next batch's start: callbacks after this one at
@@ -417,7 +422,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             return []
         self._calls += 1
         self._policy.calls = self._calls  # saved with the policy
-        if self._calls % self.interval:
+        if self._calls % self.interval and self._calls != self._first:
             return []
         return self.update()
 

@@ -70,7 +70,7 @@ from keras_mp.adaptive.hooks import Hooks
 from keras_mp.device import memory
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
-__all__ = ["StepFunctions", "probe_function"]
+__all__ = ["first_call", "kind_of_call", "StepFunctions", "probe_function"]
 
 
 def probe_function(model: keras.Model, run: Callable[[Any], Any],
@@ -189,3 +189,36 @@ class StepFunctions:
             probe(batches[0])
             return stats(batches)
         return call
+
+
+def first_call(first_decision: int | None, interval: int, steps: int | None,
+               calls: int) -> int | None:
+    """The call of a ``fit``'s early decision, or None: in a fit from scratch
+    (``calls`` == 0), after ``first_decision`` calls or the epoch's ``steps``
+    if fewer, when that comes before ``interval``.
+
+    Example:
+        >>> first_call(20, 100, 50, 0), first_call(20, 100, 8, 0), first_call(20, 10, 50, 0)
+        (20, 8, None)
+    """
+    if first_decision is None or calls:
+        return None
+    first = min(first_decision, steps or first_decision)
+    return first if first < interval else None
+
+
+def kind_of_call(call: int, statistics_every: int, probe_every: int | None,
+                 first: int | None) -> int:
+    """Which train function a call runs: 0 plain, 1 statistics, 2 probe.
+    Before an early decision at ``first``: five statistics samples and the
+    probe on its call; then one call in ``statistics_every`` and one in
+    ``probe_every``.
+
+    Example:
+        >>> [kind_of_call(c, 20, 200, 20) for c in (3, 4, 20, 40, 200)]
+        [0, 1, 2, 1, 2]
+    """
+    early = first is not None and call <= first
+    probe = probe_every is not None and (call % probe_every == 0 or (early and call == first))
+    every = max(1, first // 5) if early else statistics_every
+    return 2 if probe else 1 if call % every == 0 else 0

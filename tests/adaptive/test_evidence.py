@@ -9,6 +9,9 @@ layers still in the narrow dtype. Figures are printed (``pytest -s``) and
 quoted in docs/adaptive.md.
 """
 
+import contextlib
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -488,3 +491,55 @@ def test_automatic_adaptation_can_be_turned_off_with_a_warning():
         autofit.set_enabled(True)
     with pytest.raises(TypeError, match="`value`"):
         autofit.set_enabled("no")
+
+
+@contextlib.contextmanager
+def _fit_replaced_before_import(replacement):
+    """``keras.Model.fit`` as other code left it before ``import keras_mp``
+    (Keras's own, replaced), then keras_mp's install, as on import."""
+    ours, state = keras.Model.fit, dict(autofit._state)
+    keras_fit = autofit._state["keras_fit"]
+    keras.Model.fit = replacement(keras_fit)
+    autofit._state.update(keras_fit=None, warned_by_hand=False)
+    try:
+        yield
+    finally:
+        keras.Model.fit = ours
+        autofit._state.clear()
+        autofit._state.update(state)
+
+
+def test_fit_wrapped_before_import_still_adapts():
+    """Issue 41, item 3: a wrapper without functools.wraps (signature
+    ``(self, *args, **kwargs)``) used to switch adaptation off silently."""
+    seen = []
+
+    def wrapper(keras_fit):
+        def fit(self, *args, **kwargs):  # e.g. a tracking library's wrapper
+            seen.append(kwargs.get("callbacks"))
+            return keras_fit(self, *args, **kwargs)
+        return fit
+
+    with _fit_replaced_before_import(wrapper):
+        autofit.install()
+        model = _small("adaptive_bfloat16")
+        mine = keras.callbacks.History()
+        model.fit(*_xy(), 8, 1, 0, [mine])  # callbacks given by position
+        assert isinstance(autofit.callback_of(model), AdaptivePrecision)
+        assert model.history is mine
+        model.fit(*_xy(), batch_size=8, epochs=1, verbose=0)  # by keyword: none
+        assert isinstance(seen[-1][-1], AdaptivePrecision)
+
+
+def test_fit_replaced_without_callbacks_warns_once_how_to_adapt():
+    def replacement(keras_fit):
+        def fit(self, x, y, epochs=1):
+            return keras_fit(self, x, y, epochs=epochs, verbose=0)
+        return fit
+
+    with _fit_replaced_before_import(replacement):
+        with pytest.warns(UserWarning, match=r"callbacks=\[keras_mp.callbacks.AdaptivePrecision"):
+            autofit.install()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            autofit.install()  # once
