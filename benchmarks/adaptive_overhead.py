@@ -14,6 +14,12 @@ callback's per-batch hook, then the train function), on the same batch:
   only candidate is float32 (``"adaptive"`` on a CPU without fast 16-bit
   units) against plain Keras float32: nothing may run there.
 
+Early judgement (``first_decision``, issue 41): the first ``interval`` calls
+of a fit from scratch, as ``fit`` runs them (the callback's hooks, the train
+function, ``step_end``), with the default ``first_decision=20`` (a probe, four
+more statistics steps and one more decision in the first 20 calls) against
+``first_decision=None``; printed per window of ``interval`` calls.
+
 Every variant runs the same number of calls per round, rounds interleaved;
 each round is long enough for several probes and decisions. Printed: median
 and spread (max - min, relative to the median) of process CPU time and wall
@@ -144,6 +150,10 @@ def run(quick: bool = False, narrow: str = "bfloat16", layers: int = 4, width: i
 
     calls, rounds = (2 * interval, 5) if quick else (4 * interval, 7)
     timings = _interleaved(variants, calls, rounds)
+    early = _interleaved({name: _window(make, f"adaptive_{narrow}", x, y, batch, data,
+                                        interval, first)
+                          for name, first in (("first_decision_20", 20),
+                                              ("first_decision_none", None))}, 1, rounds)
     model, cb = adaptive["adaptive"]
     t = timings
     static = t[f"keras_mixed_{narrow}"]
@@ -158,12 +168,36 @@ def run(quick: bool = False, narrow: str = "bfloat16", layers: int = 4, width: i
         / t["keras_float32"]["wall_ms"],
         "calls_per_round": calls, "rounds": rounds,
         "probes_per_round": calls // cb.probe_every, "statistics_per_round": calls // cb.statistics_every,
+        "early": early,
         "switches": [e for _, c in adaptive.values() for e in c.events],
         "dtypes": sorted({layer.compute_dtype for m, _ in adaptive.values()
                           for layer in m.layers}),
         "machine": _machine(),
         "model": f"MLP {layers}x{width}, batch {batch}, Adam, interval {interval}",
+        "interval": interval,
     }
+
+
+def _window(make, policy, x, y, batch, data, interval, first):
+    """One window of the first ``interval`` calls of a fit from scratch, as
+    ``fit`` runs them, with ``first_decision=first`` (traced before timing)."""
+    from keras_mp import callbacks
+    from keras_mp.adaptive import step_functions
+
+    model = make(policy)
+    cb = callbacks.AdaptivePrecision(interval=interval, first_decision=first)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[cb])
+
+    def window():
+        cb._calls = 0  # a fit from scratch, again
+        cb._first = step_functions.first_call(first, interval, None, 0)
+        for _ in range(interval):
+            cb.on_train_batch_begin(0)
+            result = model.train_function(iter([data()]))
+            cb.on_train_batch_end(0)
+        return result
+    window()  # every trace this window runs
+    return window
 
 
 def format_result(r: dict) -> str:
@@ -184,6 +218,13 @@ def format_result(r: dict) -> str:
         f"float32-only adaptive / Keras float32: CPU {r['cpu_ratio_float32']:.3f} ({ok32} <= "
         f"{TARGET_FLOAT32}), wall {r['wall_ratio_float32']:.3f}",
         f"adaptive layer dtypes: {r['dtypes']}, switches: {r['switches'] or 'none'}"]
+    e = r["early"]
+    a, b = e["first_decision_20"], e["first_decision_none"]
+    lines += [f"early judgement, first {r['interval']} calls of a fit: first_decision=20 "
+              f"CPU {a['cpu_ms']:.1f} ms ({a['cpu_spread']:.1%}), wall {a['wall_ms']:.1f} ms; "
+              f"first_decision=None CPU {b['cpu_ms']:.1f} ms ({b['cpu_spread']:.1%}), wall "
+              f"{b['wall_ms']:.1f} ms; +{a['cpu_ms'] - b['cpu_ms']:.1f} ms CPU "
+              f"({a['cpu_ms'] / b['cpu_ms']:.3f}x), wall {a['wall_ms'] / b['wall_ms']:.3f}x"]
     return "\n".join(lines)
 
 

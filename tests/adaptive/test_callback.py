@@ -234,6 +234,27 @@ def test_rebuilds_train_function_only_when_a_dtype_changes_and_keeps_optimizer_s
     assert all(a is b for a, b in zip(moments, model.optimizer.variables))
 
 
+def test_early_judgement_decides_within_the_first_epoch_with_a_probe():
+    """Issue 41, item 4: with the default interval (100 calls), a 32-call run
+    used to get no decision at all; now the first comes at the end of the
+    first epoch (8 calls), on statistics samples and a float32 probe."""
+    x, y = _overflowing(64)
+    model = _small("adaptive_float16")
+    cb = AdaptivePrecision(loss_scale=_small_scale())
+    model.fit(x, y, batch_size=8, epochs=4, verbose=0, callbacks=[cb])
+    assert cb._first == 8 and cb._calls == 32
+    assert (cb.events[0]["step"], cb.events[0]["layer"], cb.events[0]["reason"]) == \
+        (8, model.layers[0].path, "input_range")
+    rows = precision_report(model).rows
+    assert all(r["probe"] is not None for r in rows), rows  # the probe ran at call 8
+    late = _small("adaptive_float16")
+    none = AdaptivePrecision(loss_scale=_small_scale(), first_decision=None)
+    late.fit(x, y, batch_size=8, epochs=4, verbose=0, callbacks=[none])
+    assert none.events == [] and late.layers[0].compute_dtype == "float16"
+    with pytest.raises(ValueError, match="first_decision"):
+        AdaptivePrecision(first_decision=0)
+
+
 def test_statistics_sampled_every_n_calls():
     model = _small("adaptive_bfloat16")
     cb = AdaptivePrecision(interval=100, statistics_every=3)

@@ -466,12 +466,15 @@ def test_the_global_policy_is_enough():
     assert isinstance(cb, AdaptivePrecision) and cb.interval == 100
     assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)  # wired in by it
     assert cb._calls == 24
+    # early judgement: decided after the first epoch (2 calls), not at call 100
+    assert (cb.events[0]["step"], cb.events[0]["reason"]) == (2, "input_range")
+    assert model.layers[0].compute_dtype == "float32"
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert autofit.callback_of(model) is cb and cb._calls == 26  # the same one continues
     # a callback of the user's is used instead
     mine = AdaptivePrecision(interval=2)
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[mine])
-    assert mine.events and mine.events[0]["reason"] == "input_range"
+    assert mine._calls == 30 and cb._calls == 26
     assert model.layers[0].compute_dtype == "float32"
     # static models are left alone
     static = _small("mixed_bfloat16")
