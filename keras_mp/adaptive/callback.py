@@ -362,9 +362,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
     # -- Keras hooks -------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        self._restored = False
-        self._first = step_functions.first_call(self.first_decision, self.interval, (
-            self.params or {}).get("steps"), self._calls)  # from scratch: judge early
+        self._restored, self._first = False, None
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._inert:
@@ -373,6 +371,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
             # Not in on_train_begin: BackupAndRestore may restore after us there.
             self._restore_from_variables()
             self._restored = True
+            self._first = step_functions.first_call(self.first_decision, self.interval, (
+                self.params or {}).get("steps"), self._calls)  # from scratch: judge early
         self._epoch_switches = 0
 
     def on_train_batch_begin(self, batch, logs=None):

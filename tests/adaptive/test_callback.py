@@ -199,7 +199,8 @@ def test_no_loss_scaling_without_float16_and_keras_lso_is_replaced():
     x, y = _xy()
     before = model._keras_mp_statistics.read().steps
     model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-              callbacks=[AdaptivePrecision(interval=100, statistics_every=1)])
+              callbacks=[AdaptivePrecision(interval=100, statistics_every=1,
+                                                 first_decision=None)])
     assert model._keras_mp_statistics.read().steps == before + 4
     model = _small("adaptive_bfloat16")
     model.fit(*_xy(), epochs=1, verbose=0, callbacks=[AdaptivePrecision(loss_scale=1.0)])
@@ -257,7 +258,7 @@ def test_early_judgement_decides_within_the_first_epoch_with_a_probe():
 
 def test_statistics_sampled_every_n_calls():
     model = _small("adaptive_bfloat16")
-    cb = AdaptivePrecision(interval=100, statistics_every=3)
+    cb = AdaptivePrecision(interval=100, statistics_every=3, first_decision=None)
     model.fit(*_xy(72), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 9 calls
     assert cb._stats.read().steps == 3
     assert model._keras_mp_hooks.forward  # left on after fit (custom loops)
@@ -273,7 +274,8 @@ def test_one_trace_for_plain_and_statistics_steps_gathers_the_same(policy):
     for share in (True, False):
         keras.utils.set_random_seed(0)
         model = _small(policy)
-        cb = AdaptivePrecision(interval=100, statistics_every=3, probe_every=None)
+        cb = AdaptivePrecision(interval=100, statistics_every=3, probe_every=None,
+                               first_decision=None)
         if not share:
             cb._gateable = lambda: False
         model.fit(*_xy(72), batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
@@ -310,7 +312,8 @@ def test_a_probe_step_traces_only_the_probe_and_trains_every_batch(steps_per_exe
         model = keras.Sequential([keras.Input((4,)), _Counting(8), keras.layers.Dense(1)])
         model.compile(optimizer="adam", loss="mse", steps_per_execution=steps_per_execution)
         keras_mp.execution.configure(model, mode="graph")
-        cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=probe_every)
+        cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=probe_every,
+                               first_decision=None)
         _Counting.traced = 0
         model.fit(*_xy(72), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 9 batches
         traced[probe_every] = _Counting.traced
@@ -325,7 +328,8 @@ def test_a_probe_step_traces_only_the_probe_and_trains_every_batch(steps_per_exe
 def test_the_probe_under_mirrored_strategy_counts_once_per_probe():
     with two_replica_mirrored_strategy().scope():
         model = _small("adaptive_bfloat16")
-    cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=2)
+    cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=2,
+                           first_decision=None)
     model.fit(*_xy(32), batch_size=8, epochs=1, verbose=0, callbacks=[cb])
     interval = cb._stats.read()
     assert interval.steps == 2 and interval.probe_steps == 2
@@ -382,7 +386,7 @@ def test_custom_training_loop():
 def test_under_mirrored_strategy():
     with two_replica_mirrored_strategy().scope():
         model = _small("adaptive_bfloat16")
-    cb = AdaptivePrecision(interval=100, statistics_every=1)
+    cb = AdaptivePrecision(interval=100, statistics_every=1, first_decision=None)
     model.fit(*_xy(32), batch_size=8, epochs=1, verbose=0, callbacks=[cb])
     interval = cb._stats.read()
     assert interval.steps == 4  # one accumulation per step, not per replica

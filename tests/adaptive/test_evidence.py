@@ -134,7 +134,7 @@ def test_float16_loss_scale_recovers_after_the_promotion_and_no_layer_is_promote
     kw = dict(epochs=30, batch_size=64, lr=1e-3,
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     acc32 = _fit(_rescaled_mlp, data, "float32", **kw)[1][1]
-    cb, trace = AdaptivePrecision(), _ScaleTrace(200)
+    cb, trace = AdaptivePrecision(first_decision=None), _ScaleTrace(200)  # as in issue 20
     model, (_, acc) = _fit(_rescaled_mlp, data,
                            keras_mp.AdaptivePolicy(candidates=("float16", "float32")),
                            [cb, trace], **kw)
@@ -388,7 +388,8 @@ def test_every_layer_is_controlled_weightless_nested_and_inner():
 
 def test_forward_statistics_only_on_sampled_steps_and_in_forward_order():
     model = _small("adaptive_bfloat16")
-    cb = AdaptivePrecision(interval=100, statistics_every=3, probe_every=None)
+    cb = AdaptivePrecision(interval=100, statistics_every=3, probe_every=None,
+                           first_decision=None)
     model.fit(*_xy(72), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 9 calls
     interval = cb._stats.read()
     assert [s.forward_steps for s in interval.layers] == [3, 3, 3]
@@ -400,7 +401,7 @@ def test_forward_statistics_only_on_sampled_steps_and_in_forward_order():
 
 def test_probe_applies_nothing_and_runs_every_probe_every_calls():
     model = _small("adaptive_bfloat16")
-    cb = AdaptivePrecision(interval=100, probe_every=4)
+    cb = AdaptivePrecision(interval=100, probe_every=4, first_decision=None)
     x, y = _xy(64)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 8 calls: 2 probes
     interval = cb._stats.read()
@@ -414,9 +415,9 @@ def test_probe_applies_nothing_and_runs_every_probe_every_calls():
     b = _small("adaptive_bfloat16")
     b.set_weights(a.get_weights())
     a.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-          callbacks=[AdaptivePrecision(interval=100, probe_every=1)])
+          callbacks=[AdaptivePrecision(interval=100, probe_every=1, first_decision=None)])
     b.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-          callbacks=[AdaptivePrecision(interval=100, probe_every=None)])
+          callbacks=[AdaptivePrecision(interval=100, probe_every=None, first_decision=None)])
     for wa, wb in zip(a.weights + a.optimizer.variables,
                       b.weights + b.optimizer.variables):
         np.testing.assert_array_equal(np.asarray(wa), np.asarray(wb))

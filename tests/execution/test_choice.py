@@ -564,7 +564,7 @@ def test_adaptive_steps_and_the_trial_share_one_trace(monkeypatch, xla_matmuls_n
     try:
         model = _model()
         cb = keras_mp.callbacks.AdaptivePrecision(interval=100, statistics_every=3,
-                                                  probe_every=None)
+                                                  probe_every=None, first_decision=None)
         calls = step_trial.calls_to_decide(3)
         earlier = weakref.WeakSet(_train_step_graphs())
         model.fit(x[:8 * calls], y[:8 * calls], batch_size=8, verbose=0, callbacks=[cb])
