@@ -38,7 +38,8 @@ from keras_mp.fused.fuse import fuse as fuse_model
 MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adaptive.controller",
            "adaptive.float8", "adaptive.float8_policy", "adaptive.forward", "adaptive.hooks",
            "adaptive.loss_scales", "adaptive.optimizer_setup", "adaptive.policy",
-           "adaptive.probe", "adaptive.report", "adaptive.rule", "adaptive.scale_rule",
+           "adaptive.probe", "adaptive.report", "adaptive.rule", "adaptive.saved_policy",
+           "adaptive.scale_rule",
            "adaptive.state", "adaptive.stats", "adaptive.step_functions", "adaptive.switching",
            "adaptive.tensorboard", "callbacks", "cli", "cli.command", "cli.demo",
            "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
@@ -61,6 +62,7 @@ NO_ARGUMENTS = {
     "datasets.default_name", "tuning.TuningMetrics",
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
+    "adaptive.saved_policy.install",
     "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
@@ -110,6 +112,8 @@ CASES = [
      ValueError, "`loss_scale`"),
     ("callbacks.AdaptivePrecision", lambda: callbacks.AdaptivePrecision(probe_every=0),
      ValueError, "`probe_every`"),
+    ("callbacks.AdaptivePrecision", lambda: callbacks.AdaptivePrecision(first_decision=0),
+     ValueError, "`first_decision`"),
     # autofit
     ("adaptive.autofit.set_enabled", lambda: autofit.set_enabled(1), TypeError, "`value`"),
     ("adaptive.autofit.callback_of", lambda: autofit.callback_of("model"), TypeError, "`model`"),
@@ -360,6 +364,8 @@ CASES = [
     ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
         SGD(), schedule="sometimes"), ValueError, "`schedule`"),
     # policies
+    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(calls=-1), ValueError,
+     "`calls`"),
     ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float16", "int8")),
      ValueError, "`candidates`"),
     ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(rule=3),

@@ -122,7 +122,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             :class:`keras_mp.LossScaleOptimizer`.
         first_decision: an int >= 1: a ``fit`` from scratch decides first after
             this many calls or the first epoch if shorter, when before ``interval``
-            (:func:`~keras_mp.adaptive.step_functions.first_call`); None: at ``interval``.
+            (``step_functions.first_call``); None: at ``interval``.
         log_dir: a directory for TensorBoard scalars (per layer: compute
             bits and key statistics; the loss scale; probe errors; switches),
             or None.

@@ -42,7 +42,8 @@ from typing import Any
 from keras.src.backend.common import global_state  # no public name
 from keras.src.saving import serialization_lib  # no public name
 
-__all__ = ["SHORT", "first_in_save", "read", "install"]
+# first_in_save and read serve AdaptivePolicy's get_config and from_config.
+__all__ = ["install"]
 
 #: The key of a short config: the whole policy is in another layer's config.
 SHORT = "in_another_layer"

@@ -94,7 +94,7 @@ def main(argv):
         model = build("adaptive_float16")
         cb = AdaptivePrecision(interval=2, loss_scale=keras_mp.DynamicLossScale(
             initial_scale=2.0))
-        model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
         model.save(os.path.join(folder, "m.keras"))
         out = {**state(model, x), "events": cb.events}
         name = "saved"
@@ -110,7 +110,7 @@ def main(argv):
         if "--fit" in argv:
             cb = AdaptivePrecision(interval=2, loss_scale=keras_mp.DynamicLossScale(
                 initial_scale=2.0))
-            model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
             out.update(after_fit=state(model, x), events=cb.events)
             import tensorflow as tf
 

@@ -48,7 +48,7 @@ def test_decisions_survive_load_in_a_fresh_process_under_any_global_policy(tmp_p
     x, y = saved_model.data()
     model = saved_model.build("adaptive_float16")
     cb = AdaptivePrecision(interval=2, loss_scale=keras_mp.DynamicLossScale(initial_scale=2.0))
-    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
     assert [(e["layer"], e["reason"]) for e in cb.events] == [("proj", "input_range")]
     model.save(tmp_path / "m.keras")
     saved = saved_model.state(model, x)
@@ -58,7 +58,7 @@ def test_decisions_survive_load_in_a_fresh_process_under_any_global_policy(tmp_p
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env=dict(os.environ, PYTHONPATH=str(SCRIPT.parents[2]))) for name in GLOBALS}
     # The same model trained on here: what the loaded ones must repeat.
-    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
     continued = saved_model.state(model, x)
     for name, proc in procs.items():
         out = proc.communicate(timeout=300)[0].decode()
@@ -84,7 +84,7 @@ def test_decisions_survive_load_in_a_fresh_process_under_any_global_policy(tmp_p
         # float16 outputs: a few units in the last place (which kernels run
         # is measured per process)
         np.testing.assert_allclose(after["predictions"], continued["predictions"],
-                                   rtol=2e-2, atol=2e-2)
+                                   rtol=1e-2, atol=1e-2)
         assert after["dtypes_after_export"] == continued["dtypes"]
         np.testing.assert_allclose(result["exported"], after["predictions"], rtol=1e-6)
 
