@@ -50,6 +50,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import warnings
 from collections.abc import Iterator
@@ -264,6 +265,8 @@ def _layer_call(self, *args, **kwargs):
 # -- metrics ---------------------------------------------------------------
 
 def _widened(fn):
+    # Named as Keras's function: a metric's config serializes it by name.
+    @functools.wraps(fn)
     def in_float32(y_true, y_pred, **kwargs):
         y_pred = keras.ops.convert_to_tensor(y_pred)
         if keras.backend.standardize_dtype(y_pred.dtype) in _NARROW:
