@@ -253,3 +253,30 @@ def test_bad_arguments():
         rescue.is_dtype_mismatch("error")
     with pytest.raises(TypeError, match="`model`"):
         rescue.float32_metrics("model")
+
+
+class InTopTwo(keras.metrics.Metric):
+    """A metric of one's own whose op takes float32 only."""
+
+    def __init__(self):
+        super().__init__(name="in_top_two")
+        self.hits = self.add_weight(shape=(), initializer="zeros", name="hits")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        hits = tf.math.in_top_k(tf.reshape(tf.cast(y_true, tf.int32), [-1]), y_pred, 2)
+        self.hits.assign_add(tf.reduce_sum(tf.cast(hits, "float32")))
+
+    def result(self):
+        return self.hits
+
+
+def test_a_metric_of_ones_own_that_fails_names_the_model_and_the_fix():
+    _policy("adaptive", "bfloat16")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, layers.Dense(3)(layers.LayerNormalization()(inputs)),
+                        name="classifier")
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=[InTopTwo()])
+    with pytest.raises(rescue.DtypeMismatchError,
+                       match=r"metric compiled with model 'classifier': cast one side"):
+        model.fit(np.ones((8, 4), "float32"), np.zeros(8), verbose=0)
