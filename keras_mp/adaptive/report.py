@@ -162,7 +162,10 @@ class PrecisionReport:
         rows = [f"- {title}: {text}" for _, title, _, text in self._columns()]
         rows += ["- switches: dtype changes so far; history: old->new@call (reason)",
                  f"- {NOT_MEASURED}: not measured (no weights, no probe yet, or no statistics "
-                 "step since the last decision)"]
+                 "step since the last decision)",
+                 "- exact input (integer_input), (dtype_mismatch), float32_metric: rules for "
+                 "what breaks Keras's mixed precision (docs/when_keras_fails.md):"]
+        rows += [f"  - {rule}: {why}" for rule, why in rescue.RULES.items()]
         return "\n".join(rows)
 
 

@@ -113,6 +113,7 @@ def test_token_ids_through_a_float_input_stay_exact(dtype):
     assert rules[emb.token_emb.path] == ["integer_input"]
     assert rules[emb.pos_emb.path] == []            # its positions are int32 already
     assert "exact input (integer_input)" in str(report)
+    assert rescue.RULES["integer_input"] in report.legend()
     assert report.dtypes()[emb.path] == dtype       # exact, and still 16-bit
 
 
