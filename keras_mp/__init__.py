@@ -14,8 +14,8 @@ from keras_mp import _backend  # noqa: F401  (selects/validates the backend firs
 from keras_mp import (adaptive, callbacks, deploy, device, distribute, execution, fused, policies,
                       scaling)
 from keras_mp._version import __version__
-from keras_mp.adaptive import (autofit, controller, forward, hooks, probe, report, saved_policy,
-                              stats)
+from keras_mp.adaptive import (autofit, controller, forward, hooks, probe, report, rescue,
+                              saved_policy, stats)
 from keras_mp.adaptive import state as precision_state
 from keras_mp.adaptive.report import precision_report
 from keras_mp.deploy import export, quantization
@@ -41,6 +41,9 @@ autofit.install()
 # A loaded model gets back the one adaptive policy it was saved with, whatever
 # the global policy (see keras_mp.adaptive.saved_policy).
 saved_policy.install()
+# Under an adaptive policy: exact integer inputs, dtype mismatches resolved in
+# float32, float32 predictions for top-k metrics (keras_mp.adaptive.rescue).
+rescue.install()
 # Keras's model.quantize reads a DTypePolicyMap's name as a layer's policy
 # name; the fix hands each layer its own entry (see keras_mp.deploy.quantization).
 quantization.patch_quantize()

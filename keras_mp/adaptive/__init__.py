@@ -15,6 +15,9 @@ How a decision is made, bottom up:
 * the rule: thresholds and records (:mod:`~keras_mp.adaptive.rule`) and the
   pure decision (:mod:`~keras_mp.adaptive.controller`), applied by
   :mod:`~keras_mp.adaptive.switching`;
+* what breaks Keras's mixed precision (token ids through a float input,
+  top-k metrics, dtypes mixed in a layer's call), handled where Keras casts
+  and calls layers: :mod:`~keras_mp.adaptive.rescue`;
 * during ``fit``: the callback (:mod:`~keras_mp.adaptive.callback`), added
   by :mod:`~keras_mp.adaptive.autofit`, which sets up the optimizer
   (:mod:`~keras_mp.adaptive.optimizer_setup`) and keeps its state in

@@ -25,6 +25,7 @@ from typing import Any
 
 import keras
 
+from keras_mp.adaptive import rescue
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 
 __all__ = ["COLUMNS", "PrecisionReport", "precision_report"]
@@ -103,17 +104,23 @@ class PrecisionReport:
             gradients carried at the last decision, or None), ``state`` (the
             controller's, or None),
             ``switches`` and ``history`` (switch dicts with ``step``, ``old``,
-            ``new``, ``reason``).
+            ``new``, ``reason``), ``rules`` (the rules of
+            :mod:`keras_mp.adaptive.rescue` applied to it, such as
+            ``"integer_input"``).
+        metrics_in_float32: the compiled metrics that get float32 predictions
+            (the ``float32_metric`` rule of :mod:`keras_mp.adaptive.rescue`).
     """
 
     policy: str
     candidates: tuple[str, ...]
     rows: tuple[dict[str, Any], ...]
+    metrics_in_float32: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The structured form (JSON-serializable)."""
         return {"policy": self.policy, "candidates": list(self.candidates),
-                "layers": [dict(r) for r in self.rows]}
+                "layers": [dict(r) for r in self.rows],
+                "metrics_in_float32": list(self.metrics_in_float32)}
 
     def dtypes(self) -> dict[str, str]:
         """Layer path -> adaptive dtype (``"float8"`` or the compute dtype)."""
@@ -135,13 +142,18 @@ class PrecisionReport:
                  "| --- | --- | --- |" + " ---: |" * (len(columns) + 1) + " --- |"]
         for r in self.rows:
             stats, measured = r["stats"] or {}, r["measured"]
-            history = ", ".join(f"{h['old']}->{h['new']}@{h['step']} ({h['reason']})"
-                                for h in r["history"])
+            history = ", ".join([f"{h['old']}->{h['new']}@{h['step']} ({h['reason']})"
+                                 for h in r["history"]]
+                                + [f"exact input ({rule})" for rule in r.get("rules", ())
+                                   if rule == "integer_input"])
             cells = [r["layer"], r["class"], r["dtype"],
                      *(_cell(stats.get(key) if measured[kind] else None)
                        for key, _, kind, _ in columns),
                      str(r["switches"]), history]
             lines.append("| " + " | ".join(cells) + " |")
+        if self.metrics_in_float32:
+            lines.append("metrics given float32 predictions (float32_metric): "
+                         + ", ".join(self.metrics_in_float32))
         return "\n".join(lines)
 
     def legend(self) -> str:
@@ -150,7 +162,10 @@ class PrecisionReport:
         rows = [f"- {title}: {text}" for _, title, _, text in self._columns()]
         rows += ["- switches: dtype changes so far; history: old->new@call (reason)",
                  f"- {NOT_MEASURED}: not measured (no weights, no probe yet, or no statistics "
-                 "step since the last decision)"]
+                 "step since the last decision)",
+                 "- exact input (integer_input), (dtype_mismatch), float32_metric: rules for "
+                 "what breaks Keras's mixed precision (docs/when_keras_fails.md):"]
+        rows += [f"  - {rule}: {why}" for rule, why in rescue.RULES.items()]
         return "\n".join(rows)
 
 
@@ -205,6 +220,9 @@ def precision_report(model: keras.Model) -> PrecisionReport:
             "state": dict(state) if state else None,
             "switches": int(state["switches"]) if state else 0,
             "history": [dict(h) for h in record.get("history", [])],
+            "rules": list(record.get("rules", [])),
         })
     name = policy.name if policy is not None else keras.config.dtype_policy().name
-    return PrecisionReport(name, policy.candidates if policy is not None else (), tuple(rows))
+    metrics = tuple(rescue.float32_metrics(model)) if isinstance(model, keras.Model) else ()
+    return PrecisionReport(name, policy.candidates if policy is not None else (), tuple(rows),
+                           metrics)

@@ -66,6 +66,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp.execution import choice, step_trial
+from keras_mp.adaptive import rescue
 from keras_mp.adaptive.hooks import Hooks
 from keras_mp.device import memory
 from keras_mp.scaling.optimizer import LossScaleOptimizer
@@ -161,7 +162,7 @@ class StepFunctions:
         def call(*args, **kwargs):
             if own_sink:
                 opt.statistics_sink = sink if forward else None
-            with hooks.recording(forward=forward, gated=gated):
+            with hooks.recording(forward=forward, gated=gated), rescue.explaining(model):
                 return fn(*args, **kwargs)
         # Its first call traces and compiles: the heap it freed goes back.
         return memory.released_after_first_call(call)
