@@ -16,6 +16,7 @@ from keras_mp import (adaptive, callbacks, deploy, device, distribute, execution
 from keras_mp._version import __version__
 from keras_mp.adaptive import autofit, controller, forward, hooks, probe, report, stats
 from keras_mp.adaptive import state as precision_state
+from keras_mp.adaptive.plot import plot_precision
 from keras_mp.adaptive.report import precision_report
 from keras_mp.deploy import export, quantization
 from keras_mp.deploy.quantization import quantize
@@ -68,6 +69,7 @@ __all__ = [
     "loss_scale",
     "ops",
     "patch_multi_worker",
+    "plot_precision",
     "policies",
     "policy_scope",
     "precision_report",
