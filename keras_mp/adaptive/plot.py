@@ -163,6 +163,10 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
     if not report.candidates:
         raise ValueError(f"`model` {model.name!r} has no adaptive policy (policy "
                          f"{report.policy!r}): nothing to plot.")
+    if len(report.candidates) == 1:
+        raise ValueError(f"`model` {model.name!r}: its policy {report.policy!r} has one candidate "
+                         f"here ({report.candidates[0]}), so nothing adapts and there is nothing "
+                         "to plot; give candidates, e.g. 'adaptive_float16'.")
     timeline = timeline_lib.of(model)
     rows = list(report.rows)
     switched = [h["step"] for r in rows for h in r["history"]]
