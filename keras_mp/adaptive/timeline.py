@@ -53,6 +53,8 @@ class Timeline:
 
 def of(model: keras.Model) -> Timeline | None:
     """The model's timeline, or None if nothing was recorded."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r}.")
     held = model.__dict__.get(_installed.INSTALLED_ATTR)
     return getattr(held, _ATTR, None)
 
@@ -73,6 +75,8 @@ def record(model: keras.Model, step: int, optimizer, paths: Sequence[str],
         paths: the controlled layers' paths.
         layer_scales: with per-layer loss scales, one scale per path; else None.
     """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"`step` must be an int >= 0, got {step!r}.")
     timeline = of(model)
     if timeline is None:
         timeline = Timeline()
@@ -93,6 +97,8 @@ def record(model: keras.Model, step: int, optimizer, paths: Sequence[str],
 
 def finish(model: keras.Model, step: int) -> None:
     """Notes the last step trained (the end of ``fit``)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"`step` must be an int >= 0, got {step!r}.")
     timeline = of(model)
     if timeline is not None:
         timeline.last_step = max(timeline.last_step, int(step))
