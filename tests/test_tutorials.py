@@ -37,6 +37,10 @@ EXPECTED = {
                             r"LiteRT \(float32\)\s+accuracy 0\.[6-9]"],
 }
 
+# The stored outputs come from the normal size, where counts differ from the smoke run's.
+NORMAL_SIZE = {**EXPECTED, "04_custom_loops_and_distribute.ipynb": [
+    r"replicas: 2", r"skipped steps: \d+ -> \d+", r"replicas agree: True"]}
+
 
 def test_every_tutorial_is_checked():
     assert [p.name for p in NOTEBOOKS] == sorted(EXPECTED)
@@ -53,7 +57,7 @@ def test_stored_outputs_come_from_the_current_code(path):
                        f"run python -m tutorials.execute {path.stem}")
     # What the smoke run must print, the stored normal-size run printed too.
     text = _text(nb)
-    for pattern in EXPECTED[path.name]:
+    for pattern in NORMAL_SIZE[path.name]:
         assert re.search(pattern, text), f"{path.name}: no {pattern!r} in its stored outputs"
 
 

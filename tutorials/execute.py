@@ -8,8 +8,9 @@ scratch folder (what it writes stays there), without ``KERAS_MP_SMOKE``, so on
 the whole data set. Its outputs are written back into the ``.ipynb`` with, in
 each code cell's metadata, the SHA-256 of the source that produced them
 (``keras_mp.source_sha256``); ``tests/test_tutorials.py`` fails when a cell's
-source no longer matches, so stale outputs cannot stay. TensorFlow's native
-log on stderr is left out of the stored outputs, and so are execution times.
+source no longer matches, so stale outputs cannot stay. TensorFlow's log
+(stderr, and its ``INFO:tensorflow:`` lines) is left out of the stored
+outputs, and so are execution times.
 
 The tests themselves run every notebook in smoke mode and leave the files
 alone.
@@ -22,13 +23,14 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["KERNEL", "NOTEBOOKS", "kernel", "source_hash", "stale_cells", "run"]
+__all__ = ["KERNEL", "NOTEBOOKS", "clean", "kernel", "run", "source_hash", "stale_cells"]
 
 TUTORIALS = Path(__file__).resolve().parent
 NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
@@ -68,9 +70,22 @@ def kernel(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
         yield {**os.environ, **(env or {}), "JUPYTER_PATH": root}
 
 
-def _keep(output) -> bool:
-    """Stored outputs: everything but stderr streams (TensorFlow's native log)."""
-    return not (output.output_type == "stream" and output.name == "stderr")
+_TF_LOG = re.compile(r"^(INFO|WARNING):tensorflow:.*\n?", re.MULTILINE)
+
+
+def clean(outputs: list) -> list:
+    """The outputs stored: without stderr streams (TensorFlow's native log)
+    and without TensorFlow's Python log lines (``INFO:tensorflow:...``)."""
+    kept = []
+    for output in outputs:
+        if output.output_type == "stream":
+            if output.name == "stderr":
+                continue
+            output.text = _TF_LOG.sub("", output.text)
+            if not output.text:
+                continue
+        kept.append(output)
+    return kept
 
 
 def run(path: Path, timeout: int = 1200) -> float:
@@ -97,7 +112,7 @@ def run(path: Path, timeout: int = 1200) -> float:
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        cell.outputs = [o for o in cell.outputs if _keep(o)]
+        cell.outputs = clean(cell.outputs)
         cell.metadata.pop("execution", None)
         cell.metadata[META] = {"source_sha256": source_hash(cell.source)}
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",

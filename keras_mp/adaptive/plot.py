@@ -25,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 from typing import Any
 
@@ -147,7 +149,7 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
         dpi: the resolution of the file written, an int in [50, 600].
 
     Returns:
-        The ``matplotlib.figure.Figure`` (a notebook shows it).
+        The ``matplotlib.figure.Figure`` (a notebook shows it as a PNG).
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -207,4 +209,13 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
     scale_ax.set_xlim(0, end)
     if path is not None:
         fig.savefig(os.fspath(path), dpi=dpi)
+    # A figure made without pyplot: IPython shows it through this, with or
+    # without matplotlib's inline backend set up.
+    fig._repr_png_ = functools.partial(_png, fig, dpi)
     return fig
+
+
+def _png(fig, dpi: int) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()

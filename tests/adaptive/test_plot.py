@@ -40,6 +40,7 @@ def test_the_picture_carries_every_layer_dtype_and_switch(trained, tmp_path):
     path = tmp_path / "precision.png"
     fig = keras_mp.plot_precision(model, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fig._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"  # what a notebook shows
     ax, scale_ax = fig.axes[:2]
     # Rows: every controlled layer, in forward order.
     names = [t.get_text() for t in ax.get_yticklabels()]
