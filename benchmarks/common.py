@@ -187,7 +187,8 @@ def _stats(samples: Sequence[float]) -> dict[str, Any]:
 
 
 def interleaved_clocks(variants: Mapping[str, Callable[[], Any]], rounds: int = 5,
-                       warmup: int = 1, per_call: int = 1) -> dict[str, dict[str, Any]]:
+                       warmup: int = 1, per_call: int = 1,
+                       progress: Any = None) -> dict[str, dict[str, Any]]:
     """Times variants in interleaved rounds by process CPU time and wall time.
 
     Each round calls every variant once, in order (A, B, C, A, B, C, ...).
@@ -202,6 +203,8 @@ def interleaved_clocks(variants: Mapping[str, Callable[[], Any]], rounds: int = 
         warmup: untimed calls of each variant first (>= 0; tracing, XLA
             compilation).
         per_call: steps one call runs (>= 1); figures are per step.
+        progress: a :class:`benchmarks.progress.Progress` started for
+            ``rounds * len(variants)`` calls, or None.
 
     Returns:
         name -> ``{"cpu": stats, "wall": stats}``, each stats a dict with
@@ -224,12 +227,16 @@ def interleaved_clocks(variants: Mapping[str, Callable[[], Any]], rounds: int = 
             sync(fn())
     cpu: dict[str, list[float]] = {name: [] for name in variants}
     wall: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
+    for r in range(rounds):
         for name, fn in variants.items():
+            if progress is not None:
+                progress.update(f"round {r + 1}/{rounds} {name}")
             c0, w0 = time.process_time(), time.perf_counter()
             sync(fn())
             wall[name].append((time.perf_counter() - w0) / per_call)
             cpu[name].append((time.process_time() - c0) / per_call)
+            if progress is not None:
+                progress.done()
     return {name: {"cpu": _stats(cpu[name]), "wall": _stats(wall[name])} for name in variants}
 
 

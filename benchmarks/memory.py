@@ -82,10 +82,12 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(specs: Sequence[dict[str, Any]], parallel: int = 2,
-            timeout: float = 900.0) -> list[dict[str, Any]]:
+            timeout: float = 900.0, progress: Any = None) -> list[dict[str, Any]]:
     """Runs each spec (``kind``, ``size``, ``variant``, ``steps``, ``epochs``,
     optionally ``warmup``) in a process of its own, ``parallel`` at a time; returns, per spec, the
-    :data:`FIELDS` in MiB, or ``{"error": message}`` where its process failed."""
+    :data:`FIELDS` in MiB, or ``{"error": message}`` where its process failed.
+    ``progress``: a :class:`benchmarks.progress.Progress` started for
+    ``len(specs)`` calls, or None."""
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise ValueError(f"`parallel` must be an int >= 1, got {parallel!r}.")
     module = f"{__package__}.memory" if __package__ else "benchmarks.memory"
@@ -110,8 +112,17 @@ def measure(specs: Sequence[dict[str, Any]], parallel: int = 2,
             return {"error": f"exit status {proc.returncode}: {tail}"}
         return json.loads(lines[-1][len(_MARK):])
 
+    out = []
     with ThreadPoolExecutor(parallel) as pool:
-        return list(pool.map(one, specs))
+        if progress is not None:
+            progress.update("peak memory, a fresh process per variant")
+        for spec, result in zip(specs, pool.map(one, specs)):
+            out.append(result)
+            if progress is not None:
+                progress.done()
+                progress.update(f"peak memory, a fresh process per variant: "
+                                f"{spec['variant']} done")
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:

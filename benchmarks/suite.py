@@ -78,6 +78,7 @@ from typing import Any
 
 from . import memory as memory_lib
 from .common import cpu_name, interleaved_clocks, quiet_tensorflow
+from .progress import Progress
 from .models import MODELS, SIZES, missing
 from .models import get as get_model
 from .variants import KERAS_VARIANTS, VARIANTS, add_probe_cost, dtype_counts, first_steps
@@ -236,7 +237,7 @@ def _table(entries: dict[str, dict[str, Any]]) -> str:
 
 def run(models: Sequence[str] | None = None, quick: bool = False,
         variants: Sequence[str] | None = None, out: str | None = None,
-        log: Callable[[str], None] = print, rounds: int | None = None,
+        log: Callable[[str], None] | None = None, rounds: int | None = None,
         steps: int | None = None, memory: bool = True,
         size: dict[str, int] | None = None) -> dict[str, Any]:
     """Runs the suite and returns its figures (and writes them under ``out``).
@@ -250,7 +251,9 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
             is the baseline of every ratio). None: all of them, but with
             ``quick`` those of :func:`quick_left_out`.
         out: a folder for ``bench.json`` and ``bench.png``, or None.
-        log: where progress lines go.
+        log: where log lines go; None: stdout, with a progress line (model,
+            variant, round, time left in the phase) drawn below them where
+            stdout is a terminal (:mod:`benchmarks.progress`).
         rounds: interleaved timed rounds (>= 5); 5 in quick mode, 7 otherwise.
         steps: training steps per round and variant (>= 5); 20 (a multiple
             of ``AdaptivePrecision``'s default ``statistics_every``, so
@@ -278,6 +281,8 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
         ``per_step_cpu_s`` / ``per_step_wall_s`` added to its figures).
     """
     started = time.perf_counter()
+    progress = Progress()
+    log = progress.log if log is None else log
     models = list((QUICK_MODELS if quick else MODELS) if models is None else models)
     if not models:
         raise ValueError(f"`models` must name at least one of {MODELS}.")
@@ -317,7 +322,8 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
     absent: dict[str, str] = {}
     tables: dict[str, str] = {}
     keras.utils.clear_session()
-    for kind in models:
+    for number, kind in enumerate(models, 1):
+        tag = f"[{kind} {number}/{len(models)}]"
         if missing(kind):
             absent[kind] = missing(kind)
             log(f"[{kind}] skipped: {absent[kind]}")
@@ -327,11 +333,15 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
         small = get_model(kind, size, 1, rows=8)[1]
         log(f"[{kind}] building {len(variants)} variants ({size}), "
             f"{steps} steps x {rounds} rounds each")
-        made, skipped[kind] = _warm_up(kind, variants, build, data, small, steps, log)
+        progress.start(f"{tag} warming up", len(variants))
+        made, skipped[kind] = _warm_up(kind, variants, build, data, small, steps, log,
+                                       progress)
         skipped[kind].update(left_out)
         t0 = time.perf_counter()
+        progress.start(f"{tag} timing", rounds * len(made))
         timings = interleaved_clocks({v: m[0] for v, m in made.items()}, rounds=rounds,
-                                     warmup=0, per_call=steps)
+                                     warmup=0, per_call=steps, progress=progress)
+        progress.clear()
         log(f"[{kind}] timed in {time.perf_counter() - t0:.0f} s")
         entries: dict[str, dict[str, Any]] = {}
         for v, (train, state) in made.items():
@@ -346,7 +356,7 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
         made.clear()
         keras.utils.clear_session()
         if memory:
-            _add_memory(kind, size, steps, entries, quick, log)
+            _add_memory(kind, size, steps, entries, quick, log, progress, tag)
         for clock in ("cpu", "wall"):
             best = _best(entries, clock)
             for e in entries.values():
@@ -373,7 +383,7 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
     return report
 
 
-def _warm_up(kind, variants, build, data, small, steps, log):
+def _warm_up(kind, variants, build, data, small, steps, log, progress):
     """Builds and warms up every variant; returns ``({variant: (train,
     state)}, {variant: why it was not timed})``."""
     made: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {}
@@ -386,6 +396,7 @@ def _warm_up(kind, variants, build, data, small, steps, log):
         return time.perf_counter() - w0
 
     for v in variants:
+        progress.update(v)
         train, state = make_variant(v, build, data, steps)
         first = first_steps(v, data, small)
         try:
@@ -411,13 +422,14 @@ def _warm_up(kind, variants, build, data, small, steps, log):
                 raise
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             skipped[v] = f"{type(e).__name__}: {reason}"
+        else:
+            skipped.update({v: slow} if slow is not None else {})
+        progress.done()
+        if v in skipped:
             log(f"[{kind}] {v} skipped: {skipped[v]}")
             continue
-        if slow is not None:
-            skipped[v] = slow
-            log(f"[{kind}] {v} skipped: {slow}")
-            continue
         made[v] = (train, state)
+    progress.clear()
     return made, skipped
 
 
@@ -429,7 +441,7 @@ def _same_dtype_keras(entry: dict[str, Any]) -> str:
     return "keras_float32" if dtype == "float32" else f"keras_mixed_{dtype}"
 
 
-def _add_memory(kind, size, steps, entries, quick, log) -> None:
+def _add_memory(kind, size, steps, entries, quick, log, progress, tag) -> None:
     """Each variant's peak memory, a fresh process each (benchmarks.memory)."""
     names = list(entries)
     if "keras_mp" in entries:
@@ -446,7 +458,10 @@ def _add_memory(kind, size, steps, entries, quick, log) -> None:
     # full bench adds one round's epoch, --quick does not.
     specs = [dict(kind=kind, size=size, variant=v, steps=steps, epochs=1 if quick else 2,
                   warmup=max(steps, WARMUP_CALLS)) for v in names]
-    for v, figures in zip(names, memory_lib.measure(specs)):
+    progress.start(f"{tag} memory", len(specs))
+    measured = memory_lib.measure(specs, progress=progress)
+    progress.clear()
+    for v, figures in zip(names, measured):
         if "error" in figures:
             log(f"[{kind}] {v}: memory not measured ({figures['error']})")
             continue

@@ -17,6 +17,7 @@ from keras_mp._version import __version__
 from keras_mp.adaptive import (autofit, controller, forward, hooks, probe, report, rescue,
                               saved_policy, stats)
 from keras_mp.adaptive import state as precision_state
+from keras_mp.adaptive.plot import plot_precision
 from keras_mp.adaptive.report import precision_report
 from keras_mp.deploy import export, quantization
 from keras_mp.deploy.quantization import quantize
@@ -75,6 +76,7 @@ __all__ = [
     "loss_scale",
     "ops",
     "patch_multi_worker",
+    "plot_precision",
     "policies",
     "policy_scope",
     "precision_report",

@@ -22,7 +22,8 @@ import tensorflow as tf
 import keras_mp
 from keras_mp.adaptive import (autofit, controller, float8, forward, hooks, loss_scales,
                                optimizer_setup, state as precision_state, probe, report,
-                               scale_rule, stats, step_functions, switching, tensorboard)
+                               scale_rule, stats, step_functions, switching, tensorboard,
+                               timeline)
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
@@ -38,10 +39,10 @@ from keras_mp.fused.fuse import fuse as fuse_model
 MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adaptive.controller",
            "adaptive.float8", "adaptive.float8_policy", "adaptive.forward", "adaptive.hooks",
            "adaptive.loss_scales", "adaptive.optimizer_setup", "adaptive.policy",
-           "adaptive.probe", "adaptive.report", "adaptive.rule", "adaptive.saved_policy",
-           "adaptive.scale_rule",
+           "adaptive.plot", "adaptive.probe", "adaptive.report", "adaptive.rule",
+           "adaptive.saved_policy", "adaptive.scale_rule",
            "adaptive.state", "adaptive.stats", "adaptive.step_functions", "adaptive.switching",
-           "adaptive.tensorboard", "callbacks", "cli", "cli.command", "cli.demo",
+           "adaptive.tensorboard", "adaptive.timeline", "callbacks", "cli", "cli.command", "cli.demo",
            "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
            "device", "device.capabilities", "device.memory", "device.xla", "distribute",
            "execution",
@@ -78,7 +79,7 @@ RECORDS = {
     "datasets.Loaded", "cli.demo.DemoResult", "cli.demo.DemoRun", "device.capabilities.DeviceProfile",
     "scaling.kernels.GradientStatistics", "adaptive.probe.ProbeResult",
     "adaptive.report.PrecisionReport", "adaptive.stats.IntervalStats", "device.xla.Kind",
-    "execution.ExecutionProfile", "execution.step_trial.Record",
+    "execution.ExecutionProfile", "execution.step_trial.Record", "adaptive.timeline.Timeline",
 }
 
 SGD = keras.optimizers.SGD
@@ -421,6 +422,14 @@ CASES = [
     ("policies.policy_of", lambda: policies.policy_of("model"), TypeError, "`model`"),
     ("policies.adaptive_layers", lambda: policies.adaptive_layers(_model(), "float32"),
      TypeError, "`policy`"),
+    # the picture of a run, and its record
+    ("adaptive.plot_precision", lambda: keras_mp.plot_precision("model"), TypeError, "`model`"),
+    ("adaptive.plot.plot_precision", lambda: keras_mp.plot_precision(_model(), dpi=5),
+     ValueError, "`dpi`"),
+    ("adaptive.timeline.of", lambda: timeline.of("model"), TypeError, "`model`"),
+    ("adaptive.timeline.record", lambda: timeline.record(_model(), -1, None, (), None),
+     ValueError, "`step`"),
+    ("adaptive.timeline.finish", lambda: timeline.finish(_model(), 1.5), ValueError, "`step`"),
     # report
     ("adaptive.report.precision_report", lambda: report.precision_report("model"), TypeError,
      "`model`"),

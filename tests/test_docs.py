@@ -64,7 +64,7 @@ def test_site_has_every_section(site):
                  "fused_kernels/index.html", "recovering/index.html",
                  "api/tuning/index.html", "api/loss_scaling/index.html"]:
         assert (site / page).is_file(), page
-    assert (site / "assets" / "bench" / "bench.png").stat().st_size > 1000
+    assert (site / "assets" / "bench" / "avx512-bf16" / "all-five.png").stat().st_size > 1000
 
 
 def test_tutorials_are_rendered(site):
@@ -72,8 +72,12 @@ def test_tutorials_are_rendered(site):
     assert len(notebooks) == 5
     for stem in notebooks:
         html = (site / "tutorials" / stem / "index.html").read_text()
-        # the notebook's code is on the page
+        # the notebook's code is on the page, and its stored outputs
         assert "datasets.load" in html or "deploy_demo.train" in html, stem
+        assert "jp-OutputArea" in html, stem
+    for stem in ("01_quickstart", "02_loss_scale_schedules"):  # their plots
+        html = (site / "tutorials" / stem / "index.html").read_text()
+        assert "data:image/png;base64" in html, stem
 
 
 def test_api_reference_comes_from_docstrings(site):

@@ -1,25 +1,21 @@
 """Every tutorial notebook runs top to bottom in smoke mode, and is committed
-without outputs.
+with the outputs of a normal-size run of its current code
+(``python -m tutorials.execute`` stores them).
 
 Each notebook runs in a fresh kernel of this interpreter (a kernelspec
-written under tmp_path and found first through JUPYTER_PATH, so a different
-"python3" kernel installed on the machine is never used), with
+written to a scratch folder and found first through JUPYTER_PATH, so a
+different "python3" kernel installed on the machine is never used), with
 KERAS_MP_SMOKE=1 and the offline TFDS data prepared under tmp_path.
 """
 
-import json
 import re
-import sys
-from pathlib import Path
 
 import ipykernel  # noqa: F401  (the kernel the notebooks run in; a test extra)
 import nbclient
 import nbformat
 import pytest
 
-TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
-NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
-KERNEL = "keras-mp-tests"
+from tutorials.execute import KERNEL, NOTEBOOKS, kernel, stale_cells
 
 # What each notebook must print when it worked, beyond running without error.
 EXPECTED = {
@@ -41,31 +37,43 @@ EXPECTED = {
                             r"LiteRT \(float32\)\s+accuracy 0\.[6-9]"],
 }
 
+# The stored outputs come from the normal size, where counts differ from the smoke run's.
+NORMAL_SIZE = {**EXPECTED, "04_custom_loops_and_distribute.ipynb": [
+    r"replicas: 2", r"skipped steps: \d+ -> \d+", r"replicas agree: True"]}
+
 
 def test_every_tutorial_is_checked():
     assert [p.name for p in NOTEBOOKS] == sorted(EXPECTED)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_is_committed_without_outputs(path):
+def test_stored_outputs_come_from_the_current_code(path):
     nb = nbformat.read(path, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert not cell.outputs and cell.execution_count is None, \
-                f"{path.name}: strip outputs (jupyter nbconvert --clear-output --inplace)"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code), \
+        f"{path.name}: not executed; run python -m tutorials.execute {path.stem}"
+    stale = stale_cells(nb)
+    assert not stale, (f"{path.name}: cells {stale} changed since their outputs were stored; "
+                       f"run python -m tutorials.execute {path.stem}")
+    # What the smoke run must print, the stored normal-size run printed too.
+    text = _text(nb)
+    for pattern in NORMAL_SIZE[path.name]:
+        assert re.search(pattern, text), f"{path.name}: no {pattern!r} in its stored outputs"
+
+
+def test_a_changed_cell_is_stale():
+    nb = nbformat.read(NOTEBOOKS[0], as_version=4)
+    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    nb.cells[first].source += "\n# edited"
+    assert stale_cells(nb) == [first]
 
 
 @pytest.fixture(scope="module")
 def kernel_env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("jupyter")
-    spec_dir = root / "kernels" / KERNEL
-    spec_dir.mkdir(parents=True)
-    (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "keras-mp tests", "language": "python"}))
-    return {"JUPYTER_PATH": str(root), "KERAS_MP_SMOKE": "1",
-            "KERAS_MP_DATA_DIR": str(tmp_path_factory.mktemp("tfds")),
-            "KERAS_MP_DATASET": "keras_mp_digits", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    with kernel() as env:
+        yield {"JUPYTER_PATH": env["JUPYTER_PATH"], "KERAS_MP_SMOKE": "1",
+               "KERAS_MP_DATA_DIR": str(tmp_path_factory.mktemp("tfds")),
+               "KERAS_MP_DATASET": "keras_mp_digits", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def _text(nb) -> str:

@@ -22,8 +22,9 @@ How a decision is made, bottom up:
   by :mod:`~keras_mp.adaptive.autofit`, which sets up the optimizer
   (:mod:`~keras_mp.adaptive.optimizer_setup`) and keeps its state in
   checkpoints (:mod:`~keras_mp.adaptive.state`);
-* out: :mod:`~keras_mp.adaptive.report` and
-  :mod:`~keras_mp.adaptive.tensorboard`.
+* out: :mod:`~keras_mp.adaptive.report`,
+  :mod:`~keras_mp.adaptive.tensorboard` and the picture of a run,
+  :mod:`~keras_mp.adaptive.plot` (from :mod:`~keras_mp.adaptive.timeline`).
 
 Example:
     >>> import keras_mp
@@ -35,7 +36,8 @@ Example:
 from keras_mp.adaptive.callback import AdaptivePrecision
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.policy import AdaptivePolicy
+from keras_mp.adaptive.plot import plot_precision
 from keras_mp.adaptive.report import precision_report
 
-__all__ = ["AdaptivePolicy", "AdaptivePrecision", "adaptive_layers", "policy_of",
-           "precision_report"]
+__all__ = ["AdaptivePolicy", "AdaptivePrecision", "adaptive_layers", "plot_precision",
+           "policy_of", "precision_report"]

@@ -67,7 +67,8 @@ import tensorflow as tf
 
 from keras_mp import _checks as checks
 from keras_mp import _installed, execution
-from keras_mp.adaptive import controller, float8, optimizer_setup, switching, tensorboard
+from keras_mp.adaptive import (controller, float8, optimizer_setup, switching, tensorboard,
+                               timeline)
 from keras_mp.adaptive.loss_scales import LossScales
 from keras_mp.adaptive import probe as probe_lib
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
@@ -373,6 +374,10 @@ class AdaptivePrecision(keras.callbacks.Callback):
             self._restored = True
             self._first = step_functions.first_call(self.first_decision, self.interval, (
                 self.params or {}).get("steps"), self._calls)  # from scratch: judge early
+            if timeline.of(self.model) is None:  # the start, for plot_precision
+                built = getattr(self._optimizer, "built", False)
+                timeline.record(self.model, self._calls, self._optimizer, self._paths,
+                                self._scales.layer_loss_scales() if built else None)
         self._epoch_switches = 0
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -404,6 +409,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         if isinstance(self._optimizer, LossScaleOptimizer):
             self._optimizer.statistics_sink = self._stats.accumulate
         self._hooks.forward = True
+        timeline.finish(self.model, self._calls)
         if self._writer is not None:
             self._writer.flush()
 
@@ -480,6 +486,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._state.write(new_states, policy.candidates, self._calls)
         self.events.extend(made)
         self._epoch_switches += len(made)
+        timeline.record(self.model, self._calls, self._optimizer, self._paths,
+                        self._scales.layer_loss_scales())
         self._log(interval, made)
         if made or trials_changed:
             self._rebuild()

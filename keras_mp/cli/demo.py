@@ -36,6 +36,7 @@ import keras
 import numpy as np
 
 from keras_mp import callbacks, datasets, device, policies
+from keras_mp.adaptive.plot import plot_precision
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
 __all__ = ["DemoResult", "DemoRun", "run_demo"]
@@ -110,6 +111,8 @@ class DemoResult:
         adaptive_dtypes: the demo model's layers' compute dtypes when built
             under ``"adaptive"`` here.
         plot: the PNG's path, or None.
+        precision_plot: the adaptive run's :func:`keras_mp.plot_precision`
+            PNG, or None.
         report: the summary as text.
     """
 
@@ -121,6 +124,7 @@ class DemoResult:
     adaptive_candidates: tuple[str, ...] = ()
     adaptive_dtypes: dict[str, str] = field(default_factory=dict)
     plot: str | None = None
+    precision_plot: str | None = None
     report: str = ""
 
     @property
@@ -198,7 +202,7 @@ class _Recorder(keras.callbacks.Callback):
 
 
 def _train(variant: str, data, epochs: int, batch_size: int, verbose: int,
-           seed: int) -> DemoRun:
+           seed: int, precision_plot: str | None = None) -> DemoRun:
     (x, y), (xt, yt) = data
     keras.utils.clear_session(free_memory=False)
     keras.utils.set_random_seed(seed)
@@ -229,6 +233,10 @@ def _train(variant: str, data, epochs: int, batch_size: int, verbose: int,
     run.skipped_steps = int(skipped.numpy()) if skipped is not None else 0
     if adaptive is not None:
         run.events = [dict(e, layer=e["layer"].rsplit("/", 1)[-1]) for e in adaptive.events]
+        if precision_plot is not None:
+            plot_precision(model, precision_plot, title="keras-mp demo, adaptive "
+                           "float16/float32: each layer's dtype, the switches and the loss "
+                           "scale")
     return run
 
 
@@ -289,6 +297,14 @@ def _plot(path: str, result: DemoResult) -> str:
     return path
 
 
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _check_int(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
@@ -301,7 +317,10 @@ def run_demo(epochs: int = 4, batch_size: int = 32, out_dir: str | None = ".",
     Args:
         epochs: training epochs of each of the three runs (>= 1).
         batch_size: batch size (>= 1).
-        out_dir: folder for ``keras_mp_demo.png``; None writes no plot.
+        out_dir: folder for ``keras_mp_demo.png`` (the three runs) and
+            ``keras_mp_precision.png`` (:func:`keras_mp.plot_precision` of the
+            adaptive run); None writes no plot, nor does a machine without
+            matplotlib (``pip install "keras-mp[plot]"``; the demo says so).
         verbose: 1 prints a line per epoch and run, 0 nothing.
         seed: random seed of the data split and of every run (>= 0).
 
@@ -318,10 +337,17 @@ def run_demo(epochs: int = 4, batch_size: int = 32, out_dir: str | None = ".",
         if not os.access(out_dir, os.W_OK):
             raise PermissionError(f"`out_dir` {out_dir!r} is not writable.")
     data = _data(seed)
+    if out_dir is not None and not _has_matplotlib():
+        if verbose:
+            print('keras-mp demo: matplotlib is not installed, so no plots are written '
+                  '(pip install "keras-mp[plot]").', flush=True)
+        out_dir = None
+    precision_plot = None if out_dir is None else os.path.join(out_dir, "keras_mp_precision.png")
     if verbose:
         print(f"Part 1: the embedded digits as raw counts (pixels up to {INPUT_SCALE:g}, "
               "beyond float16's 65504), three runs:", flush=True)
-    runs = {v: _train(v, data, epochs, batch_size, verbose, seed) for v in VARIANTS}
+    runs = {v: _train(v, data, epochs, batch_size, verbose, seed, precision_plot)
+            for v in VARIANTS}
     prof = device.profile()
     result = DemoResult(
         runs=runs, device_type=prof.device_type,
@@ -332,6 +358,7 @@ def run_demo(epochs: int = 4, batch_size: int = 32, out_dir: str | None = ".",
     keras.utils.clear_session(free_memory=False)
     if out_dir is not None:
         result.plot = _plot(os.path.join(out_dir, "keras_mp_demo.png"), result)
+        result.precision_plot = precision_plot
     result.report = format_result(result)
     return result
 
@@ -393,5 +420,6 @@ def format_result(r: DemoResult) -> str:
         lines.append("  (part 1's float16 is emulated on this device: it shows the mechanism,\n"
                      "  not speed; `keras-mp bench` times speed)")
     if r.plot:
-        lines += ["", f"Plot written to {r.plot}"]
+        lines += ["", f"Plots written to {r.plot} (the three runs) and {r.precision_plot} "
+                      "(each layer's dtype over the steps, the switches, the loss scale)"]
     return "\n".join(lines)

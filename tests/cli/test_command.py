@@ -57,8 +57,8 @@ def test_demo_shows_a_rescue_quietly_without_control_characters(tmp_path):
     scales = re.search(r"adaptive float16/float32 +\S+ +\S+ +(\d+) -> (\d+) -> (\d+)", text)
     assert scales and int(scales[2]) < int(scales[1]) == int(scales[3]), text
     assert "'adaptive' chooses among" in text and "GFLOP" not in text
-    png = tmp_path / "keras_mp_demo.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("keras_mp_demo.png", "keras_mp_precision.png"):  # plot_precision's too
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_info(capsys):
@@ -108,6 +108,7 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert "Best Keras one-liner" in out and "peak MiB" in out
+    assert "\r" not in out  # no progress line: not a terminal
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -1,0 +1,1 @@
+"""The tutorial notebooks; `python -m tutorials.execute` stores their outputs."""
