@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 from tests.lifecycle.lifecycle import Steps, _same_refusal  # noqa: E402
-from tests.real_models import models  # noqa: E402
+from tests.real_models import keras_io, models  # noqa: E402,F401 (keras_io: its classes)
 
 #: Train-function calls of the interrupted run and of its resumption: with
 #: the fit's 12, 16 calls in all, below the 20th, where the adaptive
@@ -330,9 +330,7 @@ def check(folder: str) -> None:
     def resume():
         if not loaded.compiled:   # a KerasHub task's own compile() is not saved
             facts["recompiled"] = True
-            loaded.compile(optimizer=keras.optimizers.Adam(1e-3),
-                           loss=keras.losses.SparseCategoricalCrossentropy(
-                               from_logits=models.MODELS[name] == "hub"))
+            models.compile_model(loaded, name)
         restored, epochs = {}, []
 
         class Seen(keras.callbacks.Callback):
