@@ -4,6 +4,15 @@ autoencoder with two losses, and a subclassed Transformer block.
 
 Each is registered with Keras's serialization (package ``keras_mp_tests``),
 so a fresh process that imports this module loads their ``.keras`` files.
+
+One change to keras.io's code: the subclassed layers pass
+``dtype=self.dtype_policy`` to the sublayers they create (as KerasHub's and
+Keras's own layers do). Without it a sublayer takes the global policy where
+it is created: a ``.keras`` file loaded under the float32 global policy gets a
+float32 attention meeting float16 inputs (``AddV2`` fails: Keras's
+``load_model`` and ``clone_model`` fail so under ``mixed_float16`` too);
+``keras_mp.fuse`` and keras-mp's serving copies clone each layer under its
+own policy and need no such change.
 """
 
 from __future__ import annotations
@@ -147,8 +156,8 @@ class TokenAndPositionEmbedding(layers.Layer):
     def __init__(self, maxlen: int, vocab_size: int, embed_dim: int, **kwargs):
         super().__init__(**kwargs)
         self.maxlen, self.vocab_size, self.embed_dim = maxlen, vocab_size, embed_dim
-        self.token_emb = layers.Embedding(vocab_size, embed_dim)
-        self.pos_emb = layers.Embedding(maxlen, embed_dim)
+        self.token_emb = layers.Embedding(vocab_size, embed_dim, dtype=self.dtype_policy)
+        self.pos_emb = layers.Embedding(maxlen, embed_dim, dtype=self.dtype_policy)
 
     def call(self, x):
         positions = ops.arange(0, ops.shape(x)[-1], 1)
@@ -169,13 +178,14 @@ class TransformerBlock(layers.Layer):
                  **kwargs):
         super().__init__(**kwargs)
         self.embed_dim, self.num_heads, self.ff_dim, self.rate = embed_dim, num_heads, ff_dim, rate
-        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"),
-                                     layers.Dense(embed_dim)])
-        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
-        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
-        self.dropout1 = layers.Dropout(rate)
-        self.dropout2 = layers.Dropout(rate)
+        dtype = self.dtype_policy   # see the module docstring
+        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim, dtype=dtype)
+        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu", dtype=dtype),
+                                     layers.Dense(embed_dim, dtype=dtype)])
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6, dtype=dtype)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6, dtype=dtype)
+        self.dropout1 = layers.Dropout(rate, dtype=dtype)
+        self.dropout2 = layers.Dropout(rate, dtype=dtype)
 
     def call(self, inputs, training=False):
         attn_output = self.att(inputs, inputs)

@@ -86,12 +86,19 @@ def close(got, want, tol: float, what: str = "outputs") -> float:
     return err
 
 
-def _computing_layers(model) -> list:
-    """Every layer of ``model`` that computes: not models, not inputs."""
+def _computing_layers(model, fixed: bool = False) -> list:
+    """Every layer of ``model`` that computes (not models, not inputs) under
+    the model's adaptive policy; ``fixed=True``: those under another policy
+    instead (a layer that fixes its own dtype, as KerasHub's Llama and Gemma
+    attention softmax does with ``dtype="float32"``: the report leaves them out)."""
     import keras
 
+    import keras_mp
+
+    policy = keras_mp.adaptive.policy_of(model)
     return [layer for layer in model._flatten_layers(include_self=False)
-            if not isinstance(layer, (keras.Model, keras.layers.InputLayer))]
+            if not isinstance(layer, (keras.Model, keras.layers.InputLayer))
+            and (layer.dtype_policy is not policy) == fixed]
 
 
 def _own_weights(layer) -> list:
@@ -158,7 +165,9 @@ def train(name: str, policy: str, mode: str, folder: str, full: bool = True) -> 
         facts["report"] = {"rows": len(rows), "layers": len(layers),
                            "dtypes": sorted({row["dtype"] for row in rows}),
                            "classes": len({row["class"] for row in rows}),
-                           "switched": [r["layer"] for r in rows if r["switches"]]}
+                           "switched": [r["layer"] for r in rows if r["switches"]],
+                           "fixed": sorted({f"{type(layer).__name__} {layer.dtype_policy.name}"
+                                            for layer in _computing_layers(model, fixed=True)})}
         if missing or len(rows) != len(layers):
             raise AssertionError(f"{len(rows)} rows for {len(layers)} layers; missing "
                                  f"{missing[:8]}")
