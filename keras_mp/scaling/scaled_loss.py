@@ -17,14 +17,15 @@ in the step being traced (the same graph, or one nested in it or around it).
 
 Example:
     >>> import tensorflow as tf
-    >>> check = ScaledLossCheck()
+    >>> check, seen = ScaledLossCheck(), []
     >>> @tf.function
-    ... def step(scale):
+    ... def step(scale):   # one trace per value of `scale`
     ...     if scale:
     ...         check.scaled()
-    ...     return check.consume()
-    >>> step(True), step(False)
-    (True, False)
+    ...     seen.append(check.consume())
+    >>> step(True); step(False)
+    >>> seen
+    [True, False]
 """
 
 from __future__ import annotations
