@@ -187,7 +187,7 @@ def train(name: str, policy: str, mode: str, folder: str, length: str = "full") 
         return
 
     def fuse():
-        if name in models.CLONE_FAILS:   # in place, on a copy
+        if name in models.FUSED_IN_PLACE:   # in place, on a copy
             model.save(os.path.join(folder, "to_fuse.keras"))
             fused = keras_mp.fuse(keras.saving.load_model(os.path.join(folder, "to_fuse.keras")),
                                   inplace=True)

@@ -51,10 +51,13 @@ LEARNING_RATE = {"applications": 3e-4, "hub": 1e-3, "keras_io": 1e-3}
 #: own loss).
 LOGITS = {"hub", "CustomTrainStep"}
 EPOCHS = 3
-#: Models that ``keras.models.clone_model`` cannot copy (KerasHub 0.32: a
-#: layer's ``get_config`` fails or ``from_config`` refuses what it wrote), so
-#: neither can ``keras_mp.fuse``'s copy: they are fused in place instead.
-CLONE_FAILS = {
+#: Models ``keras_mp.fuse`` cannot copy, fused in place instead (on a copy
+#: loaded from a ``.keras`` file): a subclassed model (the copy takes
+#: functional and Sequential models), and those ``keras.models.clone_model``
+#: cannot copy (KerasHub 0.32: a layer's ``get_config`` fails or its
+#: ``from_config`` refuses what it wrote).
+FUSED_IN_PLACE = {
+    "VAE": "a subclassed model",
     "LlamaCausalLM": "LlamaTransformerDecoder.get_config: AttributeError "
                      "'rope_scaling_factor'",
     "ViTImageClassifier": "ViTPatchingAndEmbedding.from_config: unrecognized keyword "
