@@ -58,11 +58,16 @@ MEASURED = {"MobileNetV3Small": "adaptive_float16", "GPT2CausalLM": "adaptive_fl
             "BertTextClassifier": "adaptive"}
 #: Models whose float16 run also goes through ``model.export``, served by a
 #: fresh process (the models nobody here wrote, beyond the first five).
+#: Not the VAE: its SavedModel's serving signature takes float16 images
+#: (``Can not cast TensorSpec(... tf.float32) to TensorSpec(... tf.float16)``
+#: when served float32 ones), a subclassed model's input spec; to be examined.
 EXPORTED = ("LlamaCausalLM", "GemmaCausalLM", "BartSeq2SeqLM", "ViTImageClassifier",
-            "ConvNeXtTiny", "DenseNet121", "CustomTrainStep", "VAE", "TransformerBlock")
+            "ConvNeXtTiny", "DenseNet121", "CustomTrainStep", "TransformerBlock")
 #: Models that also run under "adaptive_bfloat16" (bfloat16 forced, emulated
-#: on a CPU without it): the small keras-io-style ones.
+#: on a CPU without it): the small keras-io-style ones (all three with
+#: KERAS_MP_REAL_MODELS=all, the cheapest in CI).
 BFLOAT16 = ("CustomTrainStep", "VAE", "TransformerBlock")
+BFLOAT16_IN_CI = ("CustomTrainStep",)
 #: Models run only with KERAS_MP_REAL_MODELS=all (minutes each on 2 cores:
 #: docs/real_models.md has the figures).
 FULL_ONLY = ("GemmaCausalLM", "BartSeq2SeqLM", "ViTImageClassifier", "ConvNeXtTiny",
@@ -76,7 +81,9 @@ def _enabled(name: str) -> bool:
 
 
 def policies(name: str) -> tuple[str, ...]:
-    return POLICIES + (("adaptive_bfloat16",) if name in BFLOAT16 else ())
+    everything = os.environ.get("KERAS_MP_REAL_MODELS") == "all"
+    bfloat16 = name in (BFLOAT16 if everything else BFLOAT16_IN_CI)
+    return POLICIES + (("adaptive_bfloat16",) if bfloat16 else ())
 
 
 def _length(name: str, policy: str) -> str:
