@@ -8,7 +8,8 @@ models' ``weights`` lists (or their top-level ``layers``) by position is
 wrong for a nested model: a KerasHub ``GPT2CausalLM`` holds its backbone
 and the backbone's token embedding (shared: the output projection is its
 transpose), and the clone lists them in another order; the backbone's
-variables are named without the backbone's name (``token_embedding/...``).
+variables are named without the backbone's name (``token_embedding/...``);
+a subclassed layer rebuilt from its config names its sublayers anew.
 Here every copied layer is paired with the layer it was cloned from (the
 clone function sees both), and each variable of the copy takes the value of
 the source layer's variable at the same path below the layer.
@@ -28,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import keras
@@ -50,6 +52,40 @@ def _keys(layer: keras.layers.Layer) -> dict:
             rank = seen[v.name] = seen.get(v.name, -1) + 1
             out[(v.name, rank)] = v
     return out
+
+
+@contextlib.contextmanager
+def _policy_of(layer):
+    """``layer``'s dtype policy as the global one while it is cloned: the
+    sublayers a subclassed layer creates in its ``__init__`` without a
+    ``dtype`` take the global policy (keras.io's Transformer block: its
+    float32 attention would meet its float16 inputs)."""
+    policy = getattr(layer, "dtype_policy", None)
+    if policy is None or getattr(policy, "quantization_mode", None):
+        yield
+        return
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def _paired(source: keras.layers.Layer, new: keras.layers.Layer) -> list:
+    """``(variable of new, variable of source or None)``: by path below the
+    layer; if that leaves any unpaired, by position, where both layers hold
+    variables of the same shapes in the same order (a subclassed layer
+    rebuilt from its config names the sublayers it creates anew:
+    ``embedding_2`` for ``embedding``)."""
+    values = _keys(source)
+    keyed = [(w, values.get(key)) for key, w in _keys(new).items()]
+    keyed = [(w, v if v is not None and tuple(v.shape) == tuple(w.shape) else None)
+             for w, v in keyed]
+    if all(v is not None for _, v in keyed) or len(source.weights) != len(new.weights) or any(
+            tuple(a.shape) != tuple(b.shape) for a, b in zip(source.weights, new.weights)):
+        return keyed
+    return list(zip(new.weights, source.weights))
 
 
 def clone_with_weights(model: keras.Model,
@@ -77,7 +113,8 @@ def clone_with_weights(model: keras.Model,
     pairs: list[tuple[keras.layers.Layer, keras.layers.Layer]] = []
 
     def tracked(layer):
-        new = clone_function(layer)
+        with _policy_of(layer):
+            new = clone_function(layer)
         if isinstance(layer, keras.layers.Layer):   # not an op such as GetItem
             pairs.append((layer, new))
         return new
@@ -86,10 +123,8 @@ def clone_with_weights(model: keras.Model,
     done: set[int] = set()
     missing = []
     for source, new in pairs:
-        values = _keys(source)
-        for key, w in _keys(new).items():
-            value = values.get(key)
-            if value is None or tuple(value.shape) != tuple(w.shape):
+        for w, value in _paired(source, new):
+            if value is None:
                 missing.append(w.path)
                 continue
             w.assign(value if value.dtype == w.dtype

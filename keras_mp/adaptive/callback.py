@@ -263,6 +263,10 @@ class AdaptivePrecision(keras.callbacks.Callback):
                 self._policy.uses_float16 or self.loss_scale is not None
                 or isinstance(opt, keras.optimizers.LossScaleOptimizer)):
             opt = self._wrap_optimizer(model, opt)
+            if not _is_keras_train_step(model):
+                # Its own train_step may not call scale_loss: apply unscales
+                # only what it scaled (keras_mp.scaling.scaled_loss).
+                opt.check_scaled_loss = model.name
         if isinstance(opt, LossScaleOptimizer):
             self._stats.scale_floor = optimizer_setup.scale_floor(opt.schedule)
             opt.statistics_sink = sink

@@ -147,8 +147,12 @@ def _share_policies(pairs) -> None:
     layer (a KerasHub ``TransformerDecoder``'s ``Dense`` layers) included."""
     shared: dict[int, object] = {}
     for a, b in pairs:
-        if type(a._dtype_policy) is not type(b._dtype_policy):
-            continue  # a container built under another global policy than its layers
+        if type(a._dtype_policy) is not type(b._dtype_policy) or \
+                a._dtype_policy.name != b._dtype_policy.name:
+            # A container built under another global policy than its layers
+            # (the copy's functional model under float32, Keras's mixed_float16
+            # policy object shared by every layer of the original).
+            continue
         policy = shared.setdefault(id(a._dtype_policy), b._dtype_policy)
         if b._dtype_policy is not policy:
             # Not the `dtype_policy` setter: it would insert into a policy map.

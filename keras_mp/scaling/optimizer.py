@@ -28,6 +28,7 @@ from keras.src.utils import tracking  # Keras's own LSO.build uses it too
 from keras_mp import distribute
 from keras_mp.scaling import kernels, layer_scales as layer_scales_lib
 from keras_mp.scaling import loss_scale as loss_scale_lib
+from keras_mp.scaling.scaled_loss import ScaledLossCheck
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -201,6 +202,9 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
         # true (a trace shared by plain and statistics steps), or None
         # (every step).
         self.statistics_gate = None
+        # A model's name: unscale only what its scale_loss scaled (scaled_loss).
+        self.check_scaled_loss = None
+        object.__setattr__(self, "_scaled_loss", ScaledLossCheck())
         # What a checkpoint of this optimizer saved before its first step holds.
         self._unbuilt_variable_count = len(self.variables)
 
@@ -289,6 +293,7 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
     def scale_loss(self, loss):
         """Multiplies ``loss`` by the current loss scale (cast to its dtype)."""
         loss = ops.convert_to_tensor(loss)
+        self._scaled_loss.scaled()
         return ops.multiply(loss, ops.cast(self.loss_scale, loss.dtype))
 
     def get_scaled_loss(self, loss):
@@ -331,7 +336,7 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
         if len(grads) != len(tvars):
             raise ValueError(f"Got {len(grads)} gradients for {len(tvars)} variables.")
 
-        scale = self.loss_scale
+        scale = self._scaled_loss.scale_to_undo(self.loss_scale, self.check_scaled_loss)
         factors = None
         if self.layer_scales:
             factors, _ = self._variable_factors(tvars)

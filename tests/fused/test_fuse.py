@@ -169,3 +169,33 @@ def test_fuse_keeps_a_layer_shared_by_a_nested_model_and_the_outer_graph():
     np.testing.assert_allclose(fused(_tokens()), model(_tokens()), rtol=5e-2, atol=5e-2)
     assert fused.get_layer("backbone").get_layer("token_embedding") is \
         fused.get_layer("token_embedding")
+
+
+class _KerasIOBlock(keras.layers.Layer):
+    """keras.io's style: sublayers created in ``__init__`` without a dtype."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.att = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, x):
+        return self.norm(x + self.att(x, x))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_fuse_copies_a_subclassed_layer_that_creates_its_sublayers(policy):
+    """Rebuilt from its config, the block names its sublayers anew
+    (``multi_head_attention_1``: its variables pair by position) and, under
+    a 16-bit policy, creates them under the block's policy (Keras's
+    ``clone_model`` gives them the global float32 one: ``AddV2`` fails)."""
+    keras.mixed_precision.set_global_policy(policy)
+    inp = keras.Input((6, 8))
+    model = keras.Model(inp, keras.layers.Dense(3)(_KerasIOBlock()(inp)))
+    keras.mixed_precision.set_global_policy("float32")
+    fused = fuse(model)
+    tol = TOL.get(policy, 1e-2)
+    np.testing.assert_allclose(np.asarray(fused(_x()), "float32"),
+                               np.asarray(model(_x()), "float32"), atol=tol, rtol=tol)
+    assert isinstance(fused.layers[1].att, klayers.MultiHeadAttention)
+    assert fused.layers[1].att.compute_dtype == model.layers[1].att.compute_dtype

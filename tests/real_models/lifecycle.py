@@ -3,11 +3,11 @@ plain ``fit`` to serving, in processes of their own.
 
 Run by tests/test_real_models.py, one model per pair of processes:
 
-``python lifecycle.py train DIR MODEL POLICY[:MODE[:short]]...``
+``python lifecycle.py train DIR MODEL POLICY[:MODE[:short|export]]...``
     for each policy, in ``DIR/POLICY`` (``KERAS_MP_EXECUTION`` set to MODE
     for that policy, or unset for ``auto``, the default a user gets; a
     ``short`` run stops after the ``.keras`` save, and its check after the
-    load):
+    load; an ``export`` run adds ``model.export``, served in the check):
     builds the model under the policy, fits it with plain
     ``compile``/``fit`` (loss per epoch recorded), checks that
     ``keras_mp.precision_report`` lists every layer that computes,
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 from tests.lifecycle.lifecycle import Steps, _same_refusal  # noqa: E402
-from tests.real_models import models  # noqa: E402
+from tests.real_models import keras_io, models  # noqa: E402,F401 (keras_io: its classes)
 
 #: Train-function calls of the interrupted run and of its resumption: with
 #: the fit's 12, 16 calls in all, below the 20th, where the adaptive
@@ -86,12 +86,19 @@ def close(got, want, tol: float, what: str = "outputs") -> float:
     return err
 
 
-def _computing_layers(model) -> list:
-    """Every layer of ``model`` that computes: not models, not inputs."""
+def _computing_layers(model, fixed: bool = False) -> list:
+    """Every layer of ``model`` that computes (not models, not inputs) under
+    the model's adaptive policy; ``fixed=True``: those under another policy
+    instead (a layer that fixes its own dtype, as KerasHub's Llama and Gemma
+    attention softmax does with ``dtype="float32"``: the report leaves them out)."""
     import keras
 
+    import keras_mp
+
+    policy = keras_mp.adaptive.policy_of(model)
     return [layer for layer in model._flatten_layers(include_self=False)
-            if not isinstance(layer, (keras.Model, keras.layers.InputLayer))]
+            if not isinstance(layer, (keras.Model, keras.layers.InputLayer))
+            and (layer.dtype_policy is not policy) == fixed]
 
 
 def _own_weights(layer) -> list:
@@ -115,7 +122,7 @@ def _load_x(folder: str):
     return loaded["x"] if list(loaded) == ["x"] else loaded
 
 
-def train(name: str, policy: str, mode: str, folder: str, full: bool = True) -> None:
+def train(name: str, policy: str, mode: str, folder: str, length: str = "full") -> None:
     import keras
 
     import keras_mp
@@ -129,7 +136,8 @@ def train(name: str, policy: str, mode: str, folder: str, full: bool = True) -> 
     steps = Steps(os.path.join(folder, "train.json"))
     # The candidates as this process measured them ("adaptive": the dtypes
     # fast on this device, measured when first asked).
-    facts = {"model": name, "policy": policy, "mode": mode, "full": full,
+    full = length == "full"
+    facts = {"model": name, "policy": policy, "mode": mode, "full": full, "length": length,
              "candidates": list(keras_mp.policies.get(policy).candidates)}
     tol = _tol(policy)
     keras.utils.set_random_seed(0)
@@ -158,7 +166,9 @@ def train(name: str, policy: str, mode: str, folder: str, full: bool = True) -> 
         facts["report"] = {"rows": len(rows), "layers": len(layers),
                            "dtypes": sorted({row["dtype"] for row in rows}),
                            "classes": len({row["class"] for row in rows}),
-                           "switched": [r["layer"] for r in rows if r["switches"]]}
+                           "switched": [r["layer"] for r in rows if r["switches"]],
+                           "fixed": sorted({f"{type(layer).__name__} {layer.dtype_policy.name}"
+                                            for layer in _computing_layers(model, fixed=True)})}
         if missing or len(rows) != len(layers):
             raise AssertionError(f"{len(rows)} rows for {len(layers)} layers; missing "
                                  f"{missing[:8]}")
@@ -177,13 +187,21 @@ def train(name: str, policy: str, mode: str, folder: str, full: bool = True) -> 
         return
 
     def fuse():
-        fused = keras_mp.fuse(model)
+        if name in models.FUSED_IN_PLACE:   # in place, on a copy
+            model.save(os.path.join(folder, "to_fuse.keras"))
+            fused = keras_mp.fuse(keras.saving.load_model(os.path.join(folder, "to_fuse.keras")),
+                                  inplace=True)
+        else:
+            fused = keras_mp.fuse(model)
         facts["fused_layers"] = sum(type(layer).__module__ == "keras_mp.fused.layers"
                                     for layer in fused._flatten_layers())
         close(predict(fused, xs), pred, tol, "the fused copy's outputs")
     steps("fuse", fuse)
     steps("save_keras", model.save, os.path.join(folder, "model.keras"))
-    if not full:   # the short run: trained, reported, fused, saved
+    if length == "export":
+        steps("model_export", lambda: model.export(os.path.join(folder, "sm_keras"),
+                                                   verbose=False))
+    if not full:   # the short run: trained, reported, fused, saved (and exported)
         facts_out(folder, facts)
         steps.save()
         return
@@ -258,6 +276,17 @@ def facts_out(folder: str, facts: dict) -> None:
         json.dump(facts, f, indent=1)
 
 
+def _serve(folder: str, xs, pred, tol: float, errors: dict):
+    """Serves ``folder``'s SavedModel with TensorFlow alone; returns it (its
+    variables live as long as it does)."""
+    import tensorflow as tf
+
+    served = tf.saved_model.load(os.path.join(folder, "sm_keras"))
+    out = served.serve(tf.nest.map_structure(tf.constant, xs))
+    errors["serve_saved_model"] = close(out, pred, tol)
+    return served
+
+
 def check(folder: str) -> None:
     import keras
     import tensorflow as tf
@@ -285,16 +314,13 @@ def check(folder: str) -> None:
         steps("load_keras_predict", lambda: errors.__setitem__(
             "load_keras", close(predict(loaded, xs), pred, tol)))
     if not facts.get("full", True):   # the short run: loaded, same predictions
+        if os.path.isdir(os.path.join(folder, "sm_keras")):
+            steps("serve_saved_model", _serve, folder, xs, pred, tol, errors)
         steps.save()
         return
 
-    def serve():
-        served = tf.saved_model.load(os.path.join(folder, "sm_keras"))
-        keep.append(served)
-        out = served.serve(tf.nest.map_structure(tf.constant, xs))
-        errors["serve_saved_model"] = close(out, pred, tol)
     if os.path.isdir(os.path.join(folder, "sm_keras")):
-        steps("serve_saved_model", serve)
+        keep.append(steps("serve_saved_model", _serve, folder, xs, pred, tol, errors))
 
     def onnx():
         import onnxruntime as ort
@@ -330,9 +356,7 @@ def check(folder: str) -> None:
     def resume():
         if not loaded.compiled:   # a KerasHub task's own compile() is not saved
             facts["recompiled"] = True
-            loaded.compile(optimizer=keras.optimizers.Adam(1e-3),
-                           loss=keras.losses.SparseCategoricalCrossentropy(
-                               from_logits=models.MODELS[name] == "hub"))
+            models.compile_model(loaded, name)
         restored, epochs = {}, []
 
         class Seen(keras.callbacks.Callback):
@@ -367,9 +391,9 @@ def check(folder: str) -> None:
 if __name__ == "__main__":
     phase, root = sys.argv[1], sys.argv[2]
     if phase == "train":
-        for spec in sys.argv[4:]:   # POLICY[:MODE[:short]]
+        for spec in sys.argv[4:]:   # POLICY[:MODE[:short|export]]
             policy, mode, length = (spec.split(":") + ["graph", "full"])[:3]
-            train(sys.argv[3], policy, mode, os.path.join(root, policy), length == "full")
+            train(sys.argv[3], policy, mode, os.path.join(root, policy), length)
     elif phase == "check":
         for policy in sorted(os.listdir(root)):
             if os.path.exists(os.path.join(root, policy, "facts.json")):
