@@ -66,16 +66,15 @@ import keras
 import tensorflow as tf
 
 from keras_mp import _checks as checks
-from keras_mp import _installed, execution
-from keras_mp.adaptive import (controller, float8, optimizer_setup, switching, tensorboard,
-                               timeline)
+from keras_mp import execution
+from keras_mp.adaptive import (controller, float8, optimizer_setup, step_functions, switching,
+                               tensorboard, timeline)
 from keras_mp.adaptive.loss_scales import LossScales
 from keras_mp.adaptive import probe as probe_lib
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.hooks import Hooks
 from keras_mp.adaptive.policy import AdaptivePolicy
 from keras_mp.adaptive.state import PrecisionState, attached
-from keras_mp.adaptive import step_functions
 from keras_mp.adaptive.step_functions import StepFunctions
 from keras_mp.adaptive.stats import IntervalStats, LayerStatistics
 from keras_mp.scaling import loss_scale as loss_scale_lib
@@ -86,16 +85,6 @@ __all__ = ["AdaptivePrecision"]
 _STATS_ATTR = "_keras_mp_statistics"
 _STATE_ATTR = "_keras_mp_precision_state"
 _HOOKS_ATTR = "_keras_mp_hooks"
-
-
-def _is_keras_train_step(model: keras.Model) -> bool:
-    """Whether ``model`` trains with Keras's own ``train_step`` (the probe
-    repeats what it does; a custom one may do anything)."""
-    own = _installed.original(model, "train_step")
-    fn = getattr(own, "__func__", None)
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return fn is TensorFlowTrainer.train_step
 
 
 class AdaptivePrecision(keras.callbacks.Callback):
@@ -240,7 +229,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
                                   per_layer=self._per_layer(policy, optimizer))
         self._scales.install(self._forward_order())
         execution.configure(model)  # XLA or graph: the faster measured here
-        self._probe_fn = self._make_probe() if _is_keras_train_step(model) else None
+        self._probe_fn = self._make_probe() if step_functions.keras_train_step(model) else None
         self._probe_step = None
         # Custom loops (and later traces): statistics on every training call.
         hooks.forward = True
@@ -263,10 +252,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
                 self._policy.uses_float16 or self.loss_scale is not None
                 or isinstance(opt, keras.optimizers.LossScaleOptimizer)):
             opt = self._wrap_optimizer(model, opt)
-            if not _is_keras_train_step(model):
-                # Its own train_step may not call scale_loss: apply unscales
-                # only what it scaled (keras_mp.scaling.scaled_loss).
-                opt.check_scaled_loss = model.name
+            if not step_functions.keras_train_step(model):  # may not call scale_loss:
+                opt.check_scaled_loss = model.name  # unscale only what it scaled (scaled_loss)
         if isinstance(opt, LossScaleOptimizer):
             self._stats.scale_floor = optimizer_setup.scale_floor(opt.schedule)
             opt.statistics_sink = sink

@@ -65,13 +65,14 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_mp import _installed
 from keras_mp.execution import choice, step_trial
 from keras_mp.adaptive import rescue
 from keras_mp.adaptive.hooks import Hooks
 from keras_mp.device import memory
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
-__all__ = ["StepFunctions", "probe_function"]
+__all__ = ["StepFunctions", "keras_train_step", "probe_function"]
 
 
 def probe_function(model: keras.Model, run: Callable[[Any], Any],
@@ -190,6 +191,15 @@ class StepFunctions:
             probe(batches[0])
             return stats(batches)
         return call
+
+
+def keras_train_step(model: keras.Model) -> bool:
+    """Whether ``model`` trains with Keras's own ``train_step`` (the probe
+    repeats what it does; a custom one may do anything)."""
+    own = _installed.original(model, "train_step")
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return getattr(own, "__func__", None) is TensorFlowTrainer.train_step
 
 
 def first_call(first_decision: int | None, interval: int, steps: int | None,
