@@ -72,7 +72,7 @@ from keras_mp.adaptive.hooks import Hooks
 from keras_mp.device import memory
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
-__all__ = ["StepFunctions", "keras_train_step", "probe_function"]
+__all__ = ["StepFunctions", "probe_function"]
 
 
 def probe_function(model: keras.Model, run: Callable[[Any], Any],
