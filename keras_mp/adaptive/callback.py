@@ -245,11 +245,11 @@ class AdaptivePrecision(keras.callbacks.Callback):
 
     def set_params(self, params: dict) -> None:
         """Keras's ``fit`` parameters; the coming fit's length goes to the
-        execution choice (:func:`keras_mp.execution.choice.expect`): a short
+        execution choice (:func:`keras_mp.execution.start_up.expect`): a short
         fit of a small ``Dense`` model measures nothing."""
         super().set_params(params)
         if self.model is not None and isinstance(params, dict) and "epochs" in params:
-            execution.choice.expect(self.model, execution.choice.expected_calls(
+            execution.start_up.expect(self.model, execution.start_up.expected_calls(
                 params, getattr(self.model, "steps_per_execution", 1)))
 
     def _connect_optimizer(self, model: keras.Model):

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
-import math
 import os
 import weakref
 from collections.abc import Callable
@@ -29,7 +26,7 @@ import tensorflow as tf
 from keras_mp import _installed
 from keras_mp.device import memory, xla
 from keras_mp.execution import (fused_update, native_update, optimizer_state, placement, reasons,
-                                step_trial)
+                                start_up, step_trial)
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
 from keras_mp.fused import shared_matches
@@ -38,7 +35,7 @@ from keras_mp.execution.micro_benchmark import MARGIN
 from keras_mp.execution.reasons import MAPS_BUDGET, XLA_MATMUL_FLOOR
 
 __all__ = ["MODES", "ENV_VAR", "MAPS_BUDGET", "XLA_MATMUL_FLOOR", "configure", "chosen",
-           "measuring", "candidate_modes", "trace_scope", "expect", "signature"]
+           "measuring", "candidate_modes", "trace_scope"]
 
 #: Accepted values of ``mode`` and of the ``KERAS_MP_EXECUTION`` variable.
 MODES: tuple[str, ...] = ("auto", "xla", "xla_update", "graph", "keep")
@@ -284,7 +281,7 @@ def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
         costs["xla"] = lambda rec: None if rec.step_bytes is None else (
             rec.step_bytes, "a copy of the step's tensors, held by the step under XLA")
     return step_trial.StepTrial(record, candidates, MARGIN, decided, memory_cost=costs,
-                                cache_key=signature(model))
+                                cache_key=f"{start_up.signature(model)}/{','.join(modes)}")
 
 
 def _guarded(model: keras.Model, state: _State, mode: str, fn: Callable[..., Any],
@@ -338,9 +335,9 @@ def _make_train_function(model: keras.Model, state: _State,
     ``original`` is the class's bound method."""
 
     def make_train_function(force: bool = False):
-        if state.mode == "auto" and _unsettled(model):
+        if state.mode == "auto" and start_up.unsettled(model):
             before = state.built
-            _settle(model)  # now the coming fit's length is known (expect)
+            start_up.settle(model)  # now the coming fit's length is known
             if model.train_function is not None and before not in (None, "trial") \
                     and _decide(model, state) != before:
                 force = True
@@ -429,9 +426,10 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     state.strict = state.explicit = source == "`mode`"
     # Measured before the decision, which asks where the fused matmuls run;
     # where the model may compile nothing, measured in a child process when
-    # the train function is built (the coming fit's length known by then).
+    # the train function is built (the coming fit's length known by then,
+    # keras_mp.execution.start_up.expect).
     before = model.jit_compile
-    unsettled = _unsettled(model)
+    unsettled = start_up.unsettled(model)
     if unsettled and mode != "auto":
         placement.measure_elsewhere(model)
         unsettled = False
@@ -451,86 +449,6 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
         # runs whatever its measurement decided.)
         model.train_function = None
     return chosen
-
-
-def _unsettled(model: keras.Model) -> bool:
-    """Whether ``model``'s measurements are made in a child process and
-    are not known yet (:func:`keras_mp.execution.placement.measured`)."""
-    return reasons.small_xla_work(model) == "dense" and not placement.measured(model)
-
-
-def _settle(model: keras.Model) -> None:
-    """Measures what the decision needs (in a child process), unless the
-    coming fit is too short to pay for it (:func:`keras_mp.execution.reasons.short_fit`)."""
-    if reasons.short_fit(model) is not None:
-        return
-    placement.measure_elsewhere(model)
-    placement.apply(model)
-
-
-def expect(model: keras.Model, calls: int | None) -> None:
-    """Tells the execution choice how many train-function calls the coming
-    ``fit`` of ``model`` makes (None: unknown, e.g. a dataset of unknown
-    length). :class:`~keras_mp.callbacks.AdaptivePrecision` calls it from
-    ``fit``'s epochs and steps; a short fit of a small ``Dense`` model then
-    measures nothing (:func:`keras_mp.execution.reasons.short_fit`).
-
-    Args:
-        model: a Keras model.
-        calls: an int >= 0, or None.
-
-    Example:
-        >>> import keras
-        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-        >>> expect(model, 300)
-        >>> expect(model, None)
-    """
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 0):
-        raise ValueError(f"`calls` must be an int >= 0 or None, got {calls!r}.")
-    setattr(_installed.installed(model), reasons.EXPECTED_ATTR, calls)
-
-
-def expected_calls(params: dict, steps_per_execution: int = 1) -> int | None:
-    """The train-function calls of a ``fit`` from the ``params`` Keras gives
-    its callbacks (``epochs`` and ``steps`` per epoch), or None where unknown.
-
-    >>> expected_calls({"epochs": 3, "steps": 32}), expected_calls({"epochs": 2, "steps": None})
-    (96, None)
-    """
-    epochs, steps = (params or {}).get("epochs"), (params or {}).get("steps")
-    if not isinstance(epochs, int) or not isinstance(steps, int):
-        return None
-    return epochs * math.ceil(steps / max(int(steps_per_execution or 1), 1))
-
-
-def signature(model: keras.Model) -> str:
-    """What identifies ``model``'s train step for the execution trial's
-    decision kept on disk (:mod:`keras_mp.device.cache`): the model's class,
-    each layer's class, compute dtype and weight shapes, the optimizer's and
-    loss's classes, ``steps_per_execution`` and the candidate modes, hashed
-    (layer names left out: they differ from process to process).
-
-    Example:
-        >>> import keras
-        >>> def build():
-        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-        ...     model.compile(optimizer="sgd", loss="mse")
-        ...     return model
-        >>> signature(build()) == signature(build())
-        True
-    """
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    layers = [(type(layer).__name__, layer.compute_dtype,
-               [list(map(int, w.shape)) for w in layer.weights])
-              for layer in model._flatten_layers(include_self=False)]
-    loss = getattr(model, "loss", None)
-    parts = [type(model).__name__, layers, type(getattr(model, "optimizer", None)).__name__,
-             loss if isinstance(loss, str) else type(loss).__name__,
-             int(getattr(model, "steps_per_execution", 1) or 1), list(candidate_modes(model))]
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
 def chosen(model: keras.Model) -> str | None:

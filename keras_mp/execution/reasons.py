@@ -48,7 +48,7 @@ SMALL_OUTPUT = 4096
 #: A fit of fewer train-function calls than this measures nothing for a small
 #: ``Dense`` model whose measurements are not kept yet (:func:`short_fit`).
 SHORT_FIT = 1000
-#: Where :func:`keras_mp.execution.choice.expect` keeps the coming fit's calls
+#: Where :func:`keras_mp.execution.start_up.expect` keeps the coming fit's calls
 #: (the model's keras_mp._installed holder).
 EXPECTED_ATTR = "expected_calls"
 
@@ -202,7 +202,7 @@ def short_fit(model: keras.Model) -> str | None:
     ``"dense"``), whose measurements this machine has not kept
     (:func:`keras_mp.execution.placement.measured`: in this process or in
     :mod:`keras_mp.device.cache`), and a fit of fewer than :data:`SHORT_FIT`
-    train-function calls (:func:`keras_mp.execution.choice.expect`;
+    train-function calls (:func:`keras_mp.execution.start_up.expect`;
     :class:`keras_mp.callbacks.AdaptivePrecision` tells it from ``fit``'s
     epochs and steps). Measuring takes a child process (about 5 s of CPU on a
     2-core AMD EPYC, most of it importing TensorFlow) and the trial an XLA
@@ -214,9 +214,9 @@ def short_fit(model: keras.Model) -> str | None:
 
     Example:
         >>> import keras
-        >>> from keras_mp.execution import choice, reasons
+        >>> from keras_mp.execution import reasons, start_up
         >>> mlp = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
-        >>> choice.expect(mlp, 96)
+        >>> start_up.expect(mlp, 96)
         >>> reasons.short_fit(mlp) is None or reasons.short_fit(mlp).startswith("this fit")
         True
     """

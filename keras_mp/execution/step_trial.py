@@ -22,7 +22,7 @@ modes: ``"graph"`` (a TensorFlow graph, Keras's default), ``"xla_update"``
   set, after adaptive precision changes a layer's dtype, is measured anew);
   it is logged once (logger ``keras_mp``, INFO) with the figures;
 * the decision is kept on disk (:mod:`keras_mp.device.cache`), keyed by the
-  device, the model's step (:func:`keras_mp.execution.choice.signature`) and
+  device, the model's step (:func:`keras_mp.execution.start_up.signature`) and
   the shapes of its batches: a later process training the same model on
   batches of the same shapes takes it on its first call and measures
   nothing (on the keras-io "customizing fit" model the trial took 3-8 s of
@@ -283,7 +283,7 @@ class StepTrial:
             both clocks.
         on_decision: called once with the chosen mode's name.
         cache_key: where set, what identifies the model's step
-            (:func:`keras_mp.execution.choice.signature`): with the batches'
+            (:func:`keras_mp.execution.start_up.signature`): with the batches'
             shapes it keys the decision in :mod:`keras_mp.device.cache`, and
             a decision kept there for the same key is taken on the first call,
             without measuring (the other modes are then never traced).

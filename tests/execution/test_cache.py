@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from keras_mp.device import cache
-from keras_mp.execution import choice, step_trial
+from keras_mp.execution import start_up, step_trial
 
 
 def test_cache_keeps_values_per_device_and_can_be_off(tmp_path, monkeypatch):
@@ -66,11 +66,11 @@ def test_expect_and_expected_calls_check_their_input():
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="`calls`"):
-        choice.expect(model, -1)
+        start_up.expect(model, -1)
     with pytest.raises(TypeError, match="`model`"):
-        choice.expect("m", 3)
-    assert choice.expected_calls({"epochs": 3, "steps": 32}, 4) == 24
-    assert choice.expected_calls({"epochs": 3}) is None
+        start_up.expect("m", 3)
+    assert start_up.expected_calls({"epochs": 3, "steps": 32}, 4) == 24
+    assert start_up.expected_calls({"epochs": 3}) is None
 
 
 _SHORT_FIT = textwrap.dedent("""
