@@ -9,6 +9,9 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Tests measure what they test: no measurement kept from another test or run
+# (keras_mp.device.cache); the tests of the cache point it at their own tmp dirs.
+os.environ["KERAS_MP_CACHE_DIR"] = "off"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

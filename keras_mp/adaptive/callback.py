@@ -240,6 +240,15 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._optimizer = optimizer
         self._restored = False
 
+    def set_params(self, params: dict) -> None:
+        """Keras's ``fit`` parameters; the coming fit's length goes to the
+        execution choice (:func:`keras_mp.execution.start_up.expect`): a short
+        fit of a small ``Dense`` model measures nothing."""
+        super().set_params(params)
+        if self.model is not None and isinstance(params, dict) and "epochs" in params:
+            execution.start_up.expect(self.model, execution.start_up.expected_calls(
+                params, getattr(self.model, "steps_per_execution", 1)))
+
     def _connect_optimizer(self, model: keras.Model):
         """Wraps the optimizer in a LossScaleOptimizer where loss scaling is
         needed, or observes its ``apply``; returns the optimizer to use."""

@@ -43,6 +43,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
+from keras_mp.device import cache as disk
 from keras_mp.device import xla
 
 __all__ = ["DeviceProfile", "profile", "cpu_flags", "fast_dtypes", "default_candidates"]
@@ -169,7 +170,8 @@ def _judge(hardware: dict[str, bool], speed: dict[str, float]) -> tuple[str, ...
 
 def profile(device_type: str | None = None, *, refresh: bool = False, size: int = 256,
             repeats: int = 9) -> DeviceProfile:
-    """Measures (once per process and device type) what ``device_type`` runs fast.
+    """Measures (once per process and device type, kept on disk by
+    :mod:`keras_mp.device.cache`) what ``device_type`` runs fast.
 
     Args:
         device_type: ``"CPU"``, ``"GPU"`` or ``"TPU"``; the device new ops
@@ -194,6 +196,11 @@ def profile(device_type: str | None = None, *, refresh: bool = False, size: int 
     with _lock:
         if not refresh and device_type in _cache:
             return _cache[device_type]
+    disk_key = f"{size}/{repeats}"
+    kept = None if refresh else _from_disk(device_type, disk_key)
+    if kept is not None:
+        with _lock:
+            return _cache.setdefault(device_type, kept)
     flags = cpu_flags() if device_type == "CPU" else frozenset()
     relevant = frozenset(f for names in _CPU_FLAGS.values() for f in names if f in flags)
     hardware = _hardware(device_type, flags)
@@ -207,7 +214,22 @@ def profile(device_type: str | None = None, *, refresh: bool = False, size: int 
     result = DeviceProfile(device_type, relevant, hardware, speed, _judge(hardware, speed))
     with _lock:
         _cache[device_type] = result
+    disk.put("device_profile", disk_key,
+             {"flags": sorted(relevant), "hardware": hardware, "throughput": speed,
+              "fast": list(result.fast)}, device_type)
     return result
+
+
+def _from_disk(device_type: str, key: str) -> DeviceProfile | None:
+    """The profile kept on disk (:mod:`keras_mp.device.cache`), or None."""
+    found = disk.get("device_profile", key, device_type)
+    try:
+        return DeviceProfile(device_type, frozenset(found["flags"]),
+                             {k: bool(v) for k, v in found["hardware"].items()},
+                             {k: float(v) for k, v in found["throughput"].items()},
+                             tuple(str(d) for d in found["fast"]))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def fast_dtypes(device_type: str | None = None) -> tuple[str, ...]:

@@ -75,12 +75,14 @@ One module per part: :mod:`~keras_mp.execution.choice` (:func:`configure`,
 (the measurement on the model's first calls), :mod:`~keras_mp.execution.fused_update`
 (the ``xla_update`` mode), :mod:`~keras_mp.execution.native_update` (Adam, AdamW
 and SGD updates as TensorFlow's fused kernels, in every mode), :mod:`~keras_mp.execution.micro_benchmark` (the device-wide
-micro-benchmark) and :mod:`~keras_mp.execution.placement` (the fused layers'
-matmuls and epilogues).
+micro-benchmark) :mod:`~keras_mp.execution.placement` (the fused layers'
+matmuls and epilogues) and :mod:`~keras_mp.execution.start_up` (the coming fit's
+length, the model's signature; what start-up measures is kept on disk by
+:mod:`keras_mp.device.cache`).
 """
 
 from keras_mp.execution import (choice, fused_update, micro_benchmark, native_update, placement,
-                                reasons, step_trial)
+                                reasons, start_up, step_trial)
 from keras_mp.execution.choice import (ENV_VAR, MAPS_BUDGET, MODES, candidate_modes, chosen,
                                        configure, measuring, trace_scope)
 from keras_mp.execution.placement import epilogue
@@ -89,4 +91,4 @@ from keras_mp.execution.micro_benchmark import MARGIN, ExecutionProfile, choose,
 __all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose",
            "configure", "chosen", "measuring", "candidate_modes", "trace_scope", "epilogue", "choice",
            "fused_update",
-           "micro_benchmark", "native_update", "placement", "reasons", "step_trial"]
+           "micro_benchmark", "native_update", "placement", "reasons", "start_up", "step_trial"]

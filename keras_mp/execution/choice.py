@@ -26,7 +26,7 @@ import tensorflow as tf
 from keras_mp import _installed
 from keras_mp.device import memory, xla
 from keras_mp.execution import (fused_update, native_update, optimizer_state, placement, reasons,
-                                step_trial)
+                                start_up, step_trial)
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
 from keras_mp.fused import shared_matches
@@ -280,7 +280,8 @@ def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
     if "xla" in candidates:
         costs["xla"] = lambda rec: None if rec.step_bytes is None else (
             rec.step_bytes, "a copy of the step's tensors, held by the step under XLA")
-    return step_trial.StepTrial(record, candidates, MARGIN, decided, memory_cost=costs)
+    return step_trial.StepTrial(record, candidates, MARGIN, decided, memory_cost=costs,
+                                cache_key=f"{start_up.signature(model)}/{','.join(modes)}")
 
 
 def _guarded(model: keras.Model, state: _State, mode: str, fn: Callable[..., Any],
@@ -334,6 +335,12 @@ def _make_train_function(model: keras.Model, state: _State,
     ``original`` is the class's bound method."""
 
     def make_train_function(force: bool = False):
+        if state.mode == "auto" and start_up.unsettled(model):
+            before = state.built
+            start_up.settle(model)  # now the coming fit's length is known
+            if model.train_function is not None and before not in (None, "trial") \
+                    and _decide(model, state) != before:
+                force = True
         if model.train_function is not None and not force:
             return model.train_function
         optimizer_state.build(model)  # so that the step is traced once, not twice
@@ -418,12 +425,20 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
         state.mode, state.failed = mode, set()
     state.strict = state.explicit = source == "`mode`"
     # Measured before the decision, which asks where the fused matmuls run;
-    # where the model may compile nothing, measured in a child process.
-    if reasons.small_xla_work(model) == "dense":
-        placement.measure_elsewhere(model)
-    placement.apply(model)
+    # where the model may compile nothing, measured in a child process when
+    # the train function is built (the coming fit's length known by then,
+    # keras_mp.execution.start_up.expect).
     before = model.jit_compile
-    chosen = _decide(model, state)
+    unsettled = start_up.unsettled(model)
+    if unsettled and mode != "auto":
+        placement.measure_elsewhere(model)
+        unsettled = False
+    if unsettled and reasons.short_fit(model) is None:
+        chosen = "trial"  # measured when the train function is built
+    else:
+        if not unsettled:
+            placement.apply(model)
+        chosen = _decide(model, state)
     state.chosen = chosen
     if mode != "keep":
         model.jit_compile = chosen == "xla"  # a trial starts as a graph

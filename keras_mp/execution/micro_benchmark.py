@@ -23,6 +23,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_mp import device
+from keras_mp.device import cache as disk
 from keras_mp.device import xla
 
 __all__ = ["MARGIN", "ExecutionProfile", "profile", "cached", "remember", "choose"]
@@ -155,7 +156,8 @@ def _measure(device_type: str, dtypes: Iterable[str], use_xla: bool, batch: int,
 
 def profile(device_type: str | None = None, *, refresh: bool = False, batch: int = 256,
             width: int = 512, rounds: int = 5, steps: bool = True) -> ExecutionProfile:
-    """Measures (once per process and device type) graph against XLA.
+    """Measures (once per process and device type, kept on disk by
+    :mod:`keras_mp.device.cache` for the default sizes) graph against XLA.
 
     Takes a few seconds on a 2-core CPU, most of it XLA compilation. Each
     XLA compilation stays in the process's memory (TensorFlow never frees
@@ -185,6 +187,9 @@ def profile(device_type: str | None = None, *, refresh: bool = False, batch: int
             raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
     if not isinstance(steps, bool):
         raise TypeError(f"`steps` must be a bool, got {steps!r}.")
+    defaults = (batch, width, rounds) == (256, 512, 5)
+    if not refresh and defaults:
+        _from_disk(device_type, steps)
     with _lock:
         if not refresh and device_type in _cache:
             return _cache[device_type]
@@ -198,7 +203,43 @@ def profile(device_type: str | None = None, *, refresh: bool = False, batch: int
     result = ExecutionProfile(device_type, available, step, matmul)
     with _lock:
         _cache[device_type if steps else (device_type, "matmul")] = result
+    if defaults:
+        _to_disk(result)
     return result
+
+
+def _disk_key(steps: bool) -> str:
+    return "full" if steps else "matmul"
+
+
+def _from_disk(device_type: str, steps: bool) -> None:
+    """Loads the profile kept on disk (:mod:`keras_mp.device.cache`) into
+    this process's, where it has none."""
+    with _lock:
+        if device_type in _cache or (not steps and (device_type, "matmul") in _cache):
+            return
+    for full in ((True,) if steps else (True, False)):
+        found = disk.get("execution_profile", _disk_key(full), device_type)
+        if isinstance(found, dict):
+            try:
+                step = {d: {m: (float(t[0]), float(t[1])) for m, t in modes.items()}
+                        for d, modes in found["step"].items()}
+                matmul = {d: {m: float(v) for m, v in modes.items()}
+                          for d, modes in found["matmul"].items()}
+                prof = ExecutionProfile(device_type, bool(found["xla_available"]), step, matmul)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+                continue
+            with _lock:
+                _cache.setdefault(device_type if full else (device_type, "matmul"), prof)
+            xla.record_available(device_type, prof.xla_available)
+            return
+
+
+def _to_disk(result: ExecutionProfile) -> None:
+    disk.put("execution_profile", _disk_key(bool(result.step)),
+             {"xla_available": result.xla_available, "matmul": result.matmul,
+              "step": {d: {m: list(t) for m, t in modes.items()}
+                       for d, modes in result.step.items()}}, result.device_type)
 
 
 def cached(device_type: str | None = None, *, steps: bool = True) -> ExecutionProfile | None:
@@ -214,6 +255,7 @@ def cached(device_type: str | None = None, *, steps: bool = True) -> ExecutionPr
     device_type = _check_device_type(device_type)
     if not isinstance(steps, bool):
         raise TypeError(f"`steps` must be a bool, got {steps!r}.")
+    _from_disk(device_type, steps)
     with _lock:
         if device_type in _cache:
             return _cache[device_type]
@@ -238,6 +280,7 @@ def remember(result: ExecutionProfile) -> None:
     _check_device_type(result.device_type)
     with _lock:
         _cache[result.device_type if result.step else (result.device_type, "matmul")] = result
+    _to_disk(result)
 
 
 def choose(dtypes: Iterable[str], device_type: str | None = None) -> str:

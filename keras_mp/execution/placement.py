@@ -28,6 +28,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp import _gradients
+from keras_mp.device import cache as disk
 from keras_mp.device import xla
 from keras_mp.execution import micro_benchmark
 from keras_mp.execution.micro_benchmark import _check_device_type, _interleaved, profile
@@ -35,7 +36,7 @@ from keras_mp.fused import layers as fused_layers
 from keras_mp.fused import ops as kops
 
 __all__ = ["MIN_SHARE", "apply", "compute_dtypes", "epilogue", "fused_dense_activations",
-           "measure_elsewhere", "narrowest", "weight_share"]
+           "measure_elsewhere", "measured", "narrowest", "weight_share"]
 
 #: The share of a model's weight elements its fused matmul layers must hold for
 #: :func:`apply` to measure where their matmuls run; below it, the defaults of
@@ -187,12 +188,11 @@ def measure_elsewhere(model: keras.Model, *, timeout: float = 300.0) -> bool:
         raise ValueError(f"`timeout` must be a number > 0, got {timeout!r}.")
     if xla.current_device_type() != "CPU":
         return False
-    dtype = narrowest(model)
-    activations = fused_dense_activations(model)
-    with _lock:
-        missing = [a for a in activations if (a, dtype, "CPU") not in _epilogue_cache]
-    if micro_benchmark.cached("CPU", steps=False) is not None and not missing:
+    if measured(model):
         return True
+    dtype = narrowest(model)
+    missing = [a for a in fused_dense_activations(model)
+               if _kept_epilogue((a, dtype, "CPU")) is None]
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -209,10 +209,28 @@ def measure_elsewhere(model: keras.Model, *, timeout: float = 300.0) -> bool:
     xla.record_available("CPU", bool(found["xla_available"]))
     micro_benchmark.remember(micro_benchmark.ExecutionProfile(
         "CPU", bool(found["xla_available"]), {}, found["matmul"]))
-    with _lock:
-        for a, speedup in found["epilogues"].items():
-            _epilogue_cache[(a, dtype, "CPU")] = float(speedup)
+    for a, speedup in found["epilogues"].items():
+        _keep_epilogue((a, dtype, "CPU"), float(speedup))
     return True
+
+
+def measured(model: keras.Model) -> bool:
+    """Whether what :func:`measure_elsewhere` measures for ``model`` is
+    known here (measured in this process, or kept on disk by
+    :mod:`keras_mp.device.cache`); True off a CPU, where it measures nothing.
+
+    Example:
+        >>> import keras
+        >>> measured(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])) in (True, False)
+        True
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if xla.current_device_type() != "CPU":
+        return True
+    dtype = narrowest(model)
+    return micro_benchmark.cached("CPU", steps=False) is not None and all(
+        _kept_epilogue((a, dtype, "CPU")) is not None for a in fused_dense_activations(model))
 
 
 def fused_dense_activations(model: keras.Model) -> list[str]:
@@ -240,9 +258,30 @@ def fused_dense_activations(model: keras.Model) -> list[str]:
 _epilogue_cache: dict[tuple[str, str, str], float] = {}
 
 
+def _kept_epilogue(key: tuple[str, str, str]) -> float | None:
+    """The epilogue speed-up measured for ``key`` in this process or kept
+    on disk (:mod:`keras_mp.device.cache`), else None."""
+    with _lock:
+        if key in _epilogue_cache:
+            return _epilogue_cache[key]
+    found = disk.get("epilogue", f"{key[0]}/{key[1]}", key[2])
+    if isinstance(found, (int, float)) and not isinstance(found, bool):
+        with _lock:
+            _epilogue_cache.setdefault(key, float(found))
+        return float(found)
+    return None
+
+
+def _keep_epilogue(key: tuple[str, str, str], speedup: float) -> None:
+    with _lock:
+        _epilogue_cache[key] = speedup
+    disk.put("epilogue", f"{key[0]}/{key[1]}", speedup, key[2])
+
+
 def epilogue(activation: str, dtype: str = "bfloat16", device_type: str | None = None, *,
              batch: int = 256, width: int = 1024, rounds: int = 5) -> float:
-    """Measures (once per process) a fused ``Dense``'s epilogue as one XLA
+    """Measures (once per process; kept on disk, :mod:`keras_mp.device.cache`,
+    for the default sizes) a fused ``Dense``'s epilogue as one XLA
     kernel against TensorFlow ops fused into the matmul by TensorFlow.
 
     The step: three ``activation(h @ kernel + bias)`` layers, forward,
@@ -271,9 +310,13 @@ def epilogue(activation: str, dtype: str = "bfloat16", device_type: str | None =
         raise ValueError(f"`dtype` must be one of 'float32', 'bfloat16', 'float16', got "
                          f"{dtype!r}.")
     key = (activation, dtype, device_type)
+    defaults = (batch, width, rounds) == (256, 1024, 5)
     with _lock:
-        if key in _epilogue_cache:
-            return _epilogue_cache[key]
+        kept = _epilogue_cache.get(key)
+    if kept is None and defaults:
+        kept = _kept_epilogue(key)
+    if kept is not None:
+        return kept
     name, approximate = ("gelu", True) if activation == "gelu_tanh" else (activation, False)
     init = tf.random.stateless_normal
     with tf.device(f"/{device_type}:0"):
@@ -300,6 +343,9 @@ def epilogue(activation: str, dtype: str = "bfloat16", device_type: str | None =
         _gradients.adopt()  # the kernel's custom gradient: its step (and weights) can go
     (tc, tw), (xc, xw) = times["tf"], times["xla"]
     speedup = min(tc / max(xc, 1e-12), tw / max(xw, 1e-12))
-    with _lock:
-        _epilogue_cache[key] = speedup
+    if defaults:
+        _keep_epilogue(key, speedup)
+    else:
+        with _lock:
+            _epilogue_cache[key] = speedup
     return speedup

@@ -19,14 +19,16 @@ import math
 
 import keras
 
+from keras_mp import _installed
 from keras_mp.device import memory, xla
 from keras_mp.execution import (fused_update, micro_benchmark, native_update, optimizer_state,
                                 step_trial)
-from keras_mp.execution.placement import (MIN_SHARE, fused_dense_activations, narrowest,
-                                         weight_share)
+from keras_mp.execution.placement import (MIN_SHARE, fused_dense_activations, measured,
+                                         narrowest, weight_share)
 from keras_mp.fused import layers as fused_layers
 
-__all__ = ["MAPS_BUDGET", "XLA_MATMUL_FLOOR", "SMALL_OUTPUT", "maps", "graph_only",
+__all__ = ["MAPS_BUDGET", "XLA_MATMUL_FLOOR", "SMALL_OUTPUT", "SHORT_FIT", "maps", "graph_only",
+           "short_fit",
            "slow_matmul", "convolution", "small_xla_work", "little_to_compile", "update_only",
            "update_memory", "update_native"]
 
@@ -41,6 +43,14 @@ XLA_MATMUL_FLOOR = 0.8
 #: (:mod:`keras_mp.fused.losses`) too little work for XLA
 #: (:func:`little_to_compile`).
 SMALL_OUTPUT = 4096
+
+
+#: A fit of fewer train-function calls than this measures nothing for a small
+#: ``Dense`` model whose measurements are not kept yet (:func:`short_fit`).
+SHORT_FIT = 1000
+#: Where :func:`keras_mp.execution.start_up.expect` keeps the coming fit's calls
+#: (the model's keras_mp._installed holder).
+EXPECTED_ATTR = "expected_calls"
 
 
 def _check(model: keras.Model) -> None:
@@ -186,6 +196,41 @@ def small_xla_work(model: keras.Model) -> str | None:
     return None
 
 
+def short_fit(model: keras.Model) -> str | None:
+    """Why measuring for this model cannot pay off in the coming fit (None
+    where it may): a small ``Dense`` model (:func:`small_xla_work` says
+    ``"dense"``), whose measurements this machine has not kept
+    (:func:`keras_mp.execution.placement.measured`: in this process or in
+    :mod:`keras_mp.device.cache`), and a fit of fewer than :data:`SHORT_FIT`
+    train-function calls (:func:`keras_mp.execution.start_up.expect`;
+    :class:`keras_mp.callbacks.AdaptivePrecision` tells it from ``fit``'s
+    epochs and steps). Measuring takes a child process (about 5 s of CPU on a
+    2-core AMD EPYC, most of it importing TensorFlow) and the trial an XLA
+    compilation, against at most a fraction of each step won; the
+    keras-io "customizing fit" model (``Dense(1)``, 96 steps) fitted in 1.4 s
+    under Keras. Such a fit runs as Keras runs it on a CPU: a TensorFlow
+    graph without XLA (:func:`little_to_compile`); a longer fit measures,
+    once per machine.
+
+    Example:
+        >>> import keras
+        >>> from keras_mp.execution import reasons, start_up
+        >>> mlp = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+        >>> start_up.expect(mlp, 96)
+        >>> reasons.short_fit(mlp) is None or reasons.short_fit(mlp).startswith("this fit")
+        True
+    """
+    _check(model)
+    calls = getattr(model.__dict__.get(_installed.INSTALLED_ATTR), EXPECTED_ATTR, None)
+    if calls is None or calls >= SHORT_FIT or xla.forced("elementwise"):
+        return None
+    if small_xla_work(model) != "dense" or measured(model):
+        return None
+    return (f"this fit makes {calls} train steps, fewer than {SHORT_FIT}: too few to pay for "
+            "measuring graph against XLA on this machine (nothing is kept yet), so the step "
+            "runs as Keras runs it on a CPU, a TensorFlow graph without XLA")
+
+
 def little_to_compile(model: keras.Model) -> str | None:
     """Why keras_mp compiles nothing with XLA for this model (None where it
     may): its XLA work is small (:func:`small_xla_work`), and either
@@ -196,6 +241,8 @@ def little_to_compile(model: keras.Model) -> str | None:
       CNN has 288 thousand weights and about 30 GFLOP a step, forward and
       backward; its trial measured the update under XLA at 188.6 ms of CPU
       per step against 183.9 as a graph); or
+    * ``Dense`` layers hold them and the fit is too short to measure
+      anything (:func:`short_fit`); or
     * ``Dense`` layers hold them, the whole step under XLA cannot win
       (:func:`slow_matmul`), the update needs no XLA (it is native,
       :func:`update_native`, or cannot be compiled alone), and the fused
@@ -225,6 +272,9 @@ def little_to_compile(model: keras.Model) -> str | None:
     kind = small_xla_work(model)
     if kind is None or xla.forced("elementwise"):   # asked for: keras_mp.set_xla
         return None
+    short = short_fit(model) if kind == "dense" else None
+    if short is not None:
+        return short
     values = _output_values(model)
     if kind == "convolution":
         return (f"convolutions hold {weight_share(model, _CONVOLUTIONS):.1%} of its weights, "

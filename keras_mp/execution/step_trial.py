@@ -20,7 +20,13 @@ modes: ``"graph"`` (a TensorFlow graph, Keras's default), ``"xla_update"``
   its two speed-ups); otherwise the graph is kept;
 * the decision holds for the model and its set of compute dtypes (a new
   set, after adaptive precision changes a layer's dtype, is measured anew);
-  it is logged once (logger ``keras_mp``, INFO) with the figures.
+  it is logged once (logger ``keras_mp``, INFO) with the figures;
+* the decision is kept on disk (:mod:`keras_mp.device.cache`), keyed by the
+  device, the model's step (:func:`keras_mp.execution.start_up.signature`) and
+  the shapes of its batches: a later process training the same model on
+  batches of the same shapes takes it on its first call and measures
+  nothing (on the keras-io "customizing fit" model the trial took 3-8 s of
+  a fit Keras ran in 1.4 s).
 
 The cost: one XLA compilation of each mode and ``2 + PAIRS`` calls of each
 slower mode (:func:`calls_to_decide`). If a mode cannot compile, the same
@@ -72,6 +78,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_mp.device import cache as disk
 from keras_mp.device import memory
 
 __all__ = ["PAIRS", "MEMORY_BUDGET", "Record", "StepTrial", "FirstCallGuard",
@@ -275,6 +282,11 @@ class StepTrial:
         margin: how much faster than the graph another mode must be, by
             both clocks.
         on_decision: called once with the chosen mode's name.
+        cache_key: where set, what identifies the model's step
+            (:func:`keras_mp.execution.start_up.signature`): with the batches'
+            shapes it keys the decision in :mod:`keras_mp.device.cache`, and
+            a decision kept there for the same key is taken on the first call,
+            without measuring (the other modes are then never traced).
         memory_cost: mode -> ``cost(record)``: what trying the mode would add
             to the process, ``(bytes, what)`` (e.g. the whole step under XLA:
             a copy of the graph step's tensors, ``record.step_bytes``), or
@@ -285,7 +297,8 @@ class StepTrial:
 
     def __init__(self, record: Record, candidates: dict[str, Callable[..., Any]],
                  margin: float, on_decision: Callable[[str], None],
-                 memory_cost: dict[str, Callable[[Record], tuple[int, str] | None]] | None = None):
+                 memory_cost: dict[str, Callable[[Record], tuple[int, str] | None]] | None = None,
+                 cache_key: str | None = None):
         if not isinstance(record, Record):
             raise TypeError(f"`record` must be a step_trial.Record, got {type(record).__name__}.")
         if not isinstance(candidates, dict) or next(iter(candidates), None) != "graph" \
@@ -303,6 +316,8 @@ class StepTrial:
         self.record, self._fns = record, dict(candidates)
         self._margin, self._on_decision = margin, on_decision
         self._costs = dict(memory_cost)
+        self._cache_key = cache_key
+        self._full_key: str | None = None
 
     def _modes(self) -> list[str]:
         return [m for m, f in self._fns.items()
@@ -342,6 +357,8 @@ class StepTrial:
             rec.owner = id(self)
         if rec.owner != id(self):
             return self._fns["graph"](iterator)  # another variant measures; until then, graph
+        if rec.calls == 0 and self._cache_key is not None and self._from_cache(iterator):
+            return self._decided(iterator)
         modes = self._modes()
         mode = modes[rec.calls % len(modes)]
         fn = self._fns[mode]
@@ -374,6 +391,17 @@ class StepTrial:
                 self._decide_from_samples(modes)
         return out
 
+    def _from_cache(self, iterator) -> bool:
+        """Takes the decision kept for this step and these batches, if any."""
+        spec = getattr(iterator, "element_spec", None)
+        self._full_key = f"{self._cache_key}/{spec!r}" if spec is not None else self._cache_key
+        kept = disk.get("trial", self._full_key)
+        if kept not in self._modes():
+            return False
+        self._decide(kept, f"measured before on this machine, kept in {disk.directory()}",
+                     remember=False)
+        return True
+
     def _decide_from_samples(self, modes: list[str]) -> None:
         med = self.record.medians()
         gc, gw = med["graph"]
@@ -383,7 +411,7 @@ class StepTrial:
         times = ", ".join(f"{_NAMES.get(m, m)} {med[m][0] * 1e3:.1f} / {med[m][1] * 1e3:.1f}"
                           for m in modes)
         why = (f"median ms per call, CPU / wall, over {PAIRS} interleaved rounds: {times}")
-        self._decide(best if speedup[best] >= self._margin else "graph", why)
+        self._decide(best if speedup[best] >= self._margin else "graph", why, remember=True)
 
     def _decided(self, iterator):
         """The decided mode's call; the first one after the decision drops
@@ -399,7 +427,9 @@ class StepTrial:
         gc.collect()
         memory.release_free_heap()
 
-    def _decide(self, mode: str, why: str) -> None:
+    def _decide(self, mode: str, why: str, remember: bool = False) -> None:
+        if remember and self._full_key is not None:
+            disk.put("trial", self._full_key, mode)
         self.record.decision = mode
         _log.info("keras_mp: this model's train step runs %s (%s).", _NAMES.get(mode, mode), why)
         self._on_decision(mode)

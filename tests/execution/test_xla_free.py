@@ -79,9 +79,10 @@ _CHILD = textwrap.dedent("""
         inplace=True)
     model.compile(optimizer="adam",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x = np.random.default_rng(0).normal(size=(256, 32)).astype("float32")
+    x = np.random.default_rng(0).normal(size=(512, 32)).astype("float32")
     y = (x[:, 0] > 0).astype("int32")
-    h = model.fit(x, y, batch_size=32, epochs=2, verbose=0,
+    # 1024 steps: a fit long enough to measure (reasons.SHORT_FIT)
+    h = model.fit(x, y, batch_size=1, epochs=2, verbose=0,
                   callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=4)])
     print("RESULT " + json.dumps({
         "dtypes": sorted({l.compute_dtype for l in model.layers}),

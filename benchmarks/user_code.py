@@ -1,0 +1,216 @@
+"""Code users bring, timed against the Keras policy they would have used:
+each variant in a fresh process per round, start-up included.
+
+Two scenarios (issue 39, item 4):
+
+* ``small_fit``: the keras-io "customizing what happens in fit" guide's model
+  (``Dense(1)`` on 32 features, Adam, MSE + MAE, 1000 rows, batch 32, 3
+  epochs: 96 steps). The figure is the wall (and process CPU) time of
+  building, compiling and fitting the model in a fresh Python process after
+  TensorFlow and Keras are imported, keras_mp's import and start-up (device
+  profile, measurements, execution trial, probes) included. keras_mp's
+  ``"adaptive"`` is compared with Keras ``float32`` (what ``"adaptive"`` is on a
+  CPU without 16-bit units), ``"adaptive_float16"`` with Keras
+  ``mixed_float16``. ``--cache`` names the directory of
+  :mod:`keras_mp.device.cache` the keras_mp processes use (``off``: none,
+  so every process measures as on a first run; the default: a fresh
+  temporary directory, so the first round fills it and the later ones read it).
+* ``sepconv``: keras-io's ``image_classification_from_scratch`` network,
+  shrunk (RandomFlip, RandomRotation, Rescaling, an entry Conv2D + BN + relu,
+  blocks of SeparableConv2D + BN + relu, MaxPooling2D, a residual 1x1 Conv2D
+  of stride 2 and ``layers.add``, GlobalAveragePooling2D, Dropout, Dense) on
+  synthetic 64x64 images: seconds per training step after a warm-up epoch,
+  ``"adaptive_float16"`` against Keras ``mixed_float16``, in a fresh process
+  per variant and round.
+
+Rounds are interleaved (A, B, A, B, ...), so that load from other processes
+on a shared machine falls on every variant alike; medians and spreads
+(max - min) of each clock are reported, with the machine's CPU.
+
+Run: ``python -m benchmarks.user_code [--scenario small_fit|sepconv] [--rounds 5]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .common import cpu_name
+
+__all__ = ["SCENARIOS", "PAIRS", "run", "main"]
+
+#: scenario -> the (keras_mp variant, Keras variant) pairs it compares.
+PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
+    "small_fit": (("adaptive", "keras_float32"), ("adaptive_float16", "keras_mixed_float16")),
+    "sepconv": (("adaptive_float16", "keras_mixed_float16"),),
+}
+SCENARIOS = tuple(PAIRS)
+_MARK = "USER_CODE "
+
+
+def _set_policy(variant: str) -> None:
+    import keras
+
+    if variant.startswith("keras_"):
+        keras.mixed_precision.set_global_policy(variant.removeprefix("keras_"))
+    else:
+        import keras_mp
+
+        keras_mp.set_global_policy(variant)
+
+
+def _small_fit(variant: str) -> dict[str, float]:
+    import keras
+    import numpy as np
+
+    c0, w0 = time.process_time(), time.perf_counter()
+    _set_policy(variant)
+    inputs = keras.Input(shape=(32,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    rng = np.random.default_rng(0)
+    x, y = rng.random((1000, 32)).astype("float32"), rng.random((1000, 1)).astype("float32")
+    model.fit(x, y, epochs=3, verbose=0)
+    return {"cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - w0}
+
+
+def sepconv_model(size: int = 64, widths: Sequence[int] = (32, 64, 128)):
+    """keras-io's image_classification_from_scratch network, shrunk."""
+    import keras
+    from keras import layers
+
+    inputs = keras.Input(shape=(size, size, 3))
+    x = layers.RandomFlip("horizontal")(inputs)
+    x = layers.RandomRotation(0.1)(x)
+    x = layers.Rescaling(1.0 / 255)(x)
+    x = layers.Conv2D(widths[0], 3, strides=2, padding="same")(x)
+    x = layers.BatchNormalization()(x)
+    x = layers.Activation("relu")(x)
+    previous = x
+    for width in widths:
+        x = layers.Activation("relu")(x)
+        x = layers.SeparableConv2D(width, 3, padding="same")(x)
+        x = layers.BatchNormalization()(x)
+        x = layers.Activation("relu")(x)
+        x = layers.SeparableConv2D(width, 3, padding="same")(x)
+        x = layers.BatchNormalization()(x)
+        x = layers.MaxPooling2D(3, strides=2, padding="same")(x)
+        residual = layers.Conv2D(width, 1, strides=2, padding="same")(previous)
+        x = layers.add([x, residual])
+        previous = x
+    x = layers.SeparableConv2D(2 * widths[-1], 3, padding="same")(x)
+    x = layers.BatchNormalization()(x)
+    x = layers.Activation("relu")(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    x = layers.Dropout(0.25)(x)
+    return keras.Model(inputs, layers.Dense(1)(x))
+
+
+def _sepconv(variant: str, steps: int = 10) -> dict[str, float]:
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    _set_policy(variant)
+    model = sepconv_model()
+    model.compile(optimizer=keras.optimizers.Adam(3e-4),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True),
+                  metrics=[keras.metrics.BinaryAccuracy(name="acc")])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 255, (16 * steps, 64, 64, 3)).astype("float32")
+    y = rng.integers(0, 2, (16 * steps, 1)).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).cache()
+    model.fit(ds, epochs=3, verbose=0)  # tracing, keras_mp's first statistics steps
+    c0, w0 = time.process_time(), time.perf_counter()
+    model.fit(ds, epochs=2, verbose=0)
+    return {"cpu_s": (time.process_time() - c0) / (2 * steps),
+            "wall_s": (time.perf_counter() - w0) / (2 * steps)}
+
+
+def _child(scenario: str, variant: str) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras  # noqa: F401 - imported before the clock starts, as for every variant
+    import tensorflow  # noqa: F401
+
+    result = (_small_fit if scenario == "small_fit" else _sepconv)(variant)
+    print(_MARK + json.dumps(result), flush=True)
+
+
+def _one(scenario: str, variant: str, cache: str) -> dict[str, float]:
+    env = dict(os.environ, KERAS_MP_CACHE_DIR=cache, TF_CPP_MIN_LOG_LEVEL="3")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.user_code", "--child", scenario,
+                           variant], capture_output=True, text=True, env=env, cwd=root)
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith(_MARK)), None)
+    if line is None:
+        raise RuntimeError(f"{scenario}/{variant} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len(_MARK):])
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "spread": max(values) - min(values),
+            "samples": values}
+
+
+def run(scenario: str = "small_fit", rounds: int = 5, cache: str | None = None,
+        log=print) -> dict[str, Any]:
+    """Times ``scenario``'s pairs in ``rounds`` interleaved rounds, each
+    variant in a fresh process; returns per variant the median and spread of
+    CPU and wall seconds and per pair the ratios (keras_mp / Keras)."""
+    if scenario not in PAIRS:
+        raise ValueError(f"`scenario` must be one of {SCENARIOS}, got {scenario!r}.")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"`rounds` must be an int >= 1, got {rounds!r}.")
+    cache = cache if cache is not None else tempfile.mkdtemp(prefix="keras_mp_cache_")
+    variants = [v for pair in PAIRS[scenario] for v in pair]
+    samples: dict[str, dict[str, list[float]]] = {v: {"cpu_s": [], "wall_s": []}
+                                                  for v in variants}
+    for r in range(rounds):
+        for v in variants:
+            got = _one(scenario, v, cache)
+            for clock in ("cpu_s", "wall_s"):
+                samples[v][clock].append(got[clock])
+            log(f"round {r + 1} {v}: cpu {got['cpu_s']:.3f} s, wall {got['wall_s']:.3f} s")
+    result: dict[str, Any] = {
+        "scenario": scenario, "rounds": rounds, "cache": cache, "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "variants": {v: {c: _stats(s) for c, s in samples[v].items()} for v in variants}}
+    result["ratios"] = {
+        f"{mp}/{k}": {c: result["variants"][mp][c]["median"] / result["variants"][k][c]["median"]
+                      for c in ("cpu_s", "wall_s")}
+        for mp, k in PAIRS[scenario]}
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", choices=SCENARIOS, default="small_fit")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cache", default=None,
+                        help="KERAS_MP_CACHE_DIR for the keras_mp processes ('off': none)")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(*args.child)
+        return
+    result = run(args.scenario, args.rounds, args.cache)
+    print(f"{result['scenario']}, {result['rounds']} interleaved rounds, fresh processes, "
+          f"{result['cpu']} ({result['cores']} cores), cache {result['cache']}")
+    for v, e in result["variants"].items():
+        print(f"  {v:22s} cpu {e['cpu_s']['median']:.3f} s (spread {e['cpu_s']['spread']:.3f})"
+              f"  wall {e['wall_s']['median']:.3f} s (spread {e['wall_s']['spread']:.3f})")
+    for pair, r in result["ratios"].items():
+        print(f"  {pair}: cpu {r['cpu_s']:.2f}x, wall {r['wall_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
