@@ -364,7 +364,9 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
             # Agree before deciding: a NaN on one replica skips the step everywhere.
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         finite = ops.equal(ops.sum(nonfinite), 0)
-        step = ops.convert_to_tensor(self.iterations.value)
+        # The inner optimizer's count of applied micro-batches: ``iterations``
+        # is a tensor (optimizer steps) under gradient accumulation.
+        step = ops.convert_to_tensor(self.inner_optimizer._iterations.value)
 
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             ops.cond(finite, lambda: self._apply_inner(unscaled, trainable_variables),
