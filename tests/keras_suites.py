@@ -17,7 +17,7 @@ The pairs (:data:`PAIRS`), keras-mp's mode against its control:
   ``LossScaleOptimizer`` (``optimizers`` group).
 
 In keras-mp's modes ``keras_mp.LossScaleOptimizer`` stands wherever Keras uses
-its own. CI runs :data:`CI_GROUPS` (``tests/test_keras_suites.py``); the full
+its own. CI runs :data:`CI_FILES` (``tests/test_keras_suites.py``); the full
 comparison, every group of :data:`GROUPS`, is::
 
     python -m tests.keras_suites --full            # add --json FILE for the outcomes
@@ -77,13 +77,12 @@ GROUPS = {
                 "layers/attention/*_test.py"], tuple(PAIRS)[:2]),
 }
 
-#: What CI runs (tests/test_keras_suites.py): the loss-scale optimizer's and
-#: the base optimizer's tests (gradient accumulation, EMA, clipping) under
-#: every pair.
-CI_GROUPS = {
-    "optimizers_ci": (["optimizers/loss_scale_optimizer_test.py",
-                       "optimizers/optimizer_test.py"], tuple(PAIRS)),
-}
+#: What CI runs (tests/test_keras_suites.py): Keras's base-optimizer tests
+#: of gradient accumulation, EMA and clipping, under the float16 pairs
+#: (adaptive_float16; every optimizer wrapped in keras_mp.LossScaleOptimizer).
+CI_FILES = ["optimizers/optimizer_test.py"]
+CI_SELECT = "accumulation or ema or clip"
+CI_PAIRS = ("keras_mp_adaptive_float16", "keras_mp_lso_wrapped")
 
 
 def keras_src() -> str:
@@ -97,9 +96,11 @@ def files(patterns: list[str]) -> list[str]:
     return sorted(f for p in patterns for f in glob.glob(os.path.join(src, p)))
 
 
-def run(mode: str, paths: list[str], timeout: float = 7200) -> dict[str, str]:
-    """Runs pytest over ``paths`` in a subprocess in ``mode``; returns each
-    test's outcome (``passed``, ``failed``, ``skipped``) by node id."""
+def run(mode: str, paths: list[str], select: str | None = None,
+        timeout: float = 7200) -> dict[str, str]:
+    """Runs pytest over ``paths`` (the tests matching ``select``, a ``-k``
+    expression, if given) in a subprocess in ``mode``; returns each test's
+    outcome (``passed``, ``failed``, ``skipped``) by node id."""
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {sorted(MODES)}, got {mode!r}.")
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,7 +114,9 @@ def run(mode: str, paths: list[str], timeout: float = 7200) -> dict[str, str]:
                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tests.keras_suites_plugin",
                "-c", ini, "--rootdir", keras_src(), "-p", "no:cacheprovider",
-               "--tb=line", "-o", "console_output_style=classic", *paths]
+               "--tb=line", "-o", "console_output_style=classic",
+               "--continue-on-collection-errors",
+               *(["-k", select] if select else []), *paths]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout)
         if not os.path.exists(out):
@@ -134,7 +137,7 @@ def counts(outcomes: dict[str, str]) -> dict[str, int]:
     return {k: c.get(k, 0) for k in ("passed", "failed", "skipped")}
 
 
-def compare(groups: dict, log=print) -> dict:
+def compare(groups: dict, select: str | None = None, log=print) -> dict:
     """Runs every group's pairs; returns ``{group: {pair: {...}}}``."""
     results: dict = {}
     for group, (patterns, pairs) in groups.items():
@@ -142,7 +145,7 @@ def compare(groups: dict, log=print) -> dict:
         results[group] = {}
         for ours in pairs:
             control = PAIRS[ours]
-            got = {m: run(m, paths) for m in (control, ours)}
+            got = {m: run(m, paths, select) for m in (control, ours)}
             bad = regressions(got[control], got[ours])
             results[group][ours] = {"control": control, "outcomes": got, "regressions": bad,
                                     "counts": {m: counts(o) for m, o in got.items()}}
@@ -165,8 +168,8 @@ def main(argv=None) -> int:
             parser.error(f"--groups: unknown {sorted(unknown)}; choose from {sorted(GROUPS)}")
         groups = {g: GROUPS[g] for g in args.groups.split(",")}
     else:
-        groups = GROUPS if args.full else CI_GROUPS
-    results = compare(groups)
+        groups = GROUPS if args.full else {"ci": (CI_FILES, CI_PAIRS)}
+    results = compare(groups, None if args.full or args.groups else CI_SELECT)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
