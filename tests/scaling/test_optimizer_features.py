@@ -117,3 +117,18 @@ def test_feature_trains_saves_loads_and_trains_again(feature, setup, tmp_path):
 
     _fit(loaded, x, y)
     assert int(_inner(loaded.optimizer)._iterations.numpy()) > micro_batches
+
+
+def test_a_model_that_fit_builds_gets_its_loss_scale_optimizer_built_at_the_first_step():
+    # A Sequential without an Input has no variables when fit's callbacks
+    # start: the wrapper built on none refused them ("Unknown variable"), as
+    # Keras's optimizer_test.py test_ema_with_model_fit found.
+    keras_mp.set_global_policy("adaptive_float16")
+    optimizer = keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9)
+    model = keras.Sequential([keras.layers.Dense(2, kernel_initializer="ones", use_bias=False)])
+    model.compile(loss="mse", optimizer=optimizer)
+    model.fit(np.ones((1, 1), "float32"), np.zeros((1, 1), "float32"), epochs=2, verbose=0)
+    assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+    # Keras's expected value under mixed_float16 (its own test, atol 1e-5)
+    np.testing.assert_allclose(optimizer._model_variables_moving_average[0].numpy(),
+                               [[0.891, 0.891]], atol=1e-5)
