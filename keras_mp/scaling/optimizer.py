@@ -12,6 +12,19 @@ One step, as run inside Keras's compiled train step:
    finite, so its ``clipnorm``/``clipvalue`` act on true gradient values and
    a skipped step changes no weight, slot or iteration count;
 4. the schedule maps ``(state, finite)`` to the next state, in-graph.
+
+With an inner optimizer that accumulates gradients
+(``gradient_accumulation_steps=k``), each ``apply`` is one micro-batch::
+
+    g = unscale(grads); finite = all(isfinite(g))
+    if finite: inner.apply(g)   # adds g to the accumulators; every k-th: averages,
+                                # clips, decays, updates, EMA, resets them
+    else: skip                  # the accumulators and the micro-batch count stay
+    schedule.update(state, finite, step=inner micro-batches applied)
+
+so a non-finite micro-batch is skipped alone and never poisons the
+accumulated gradients: the accumulated update is always the average of ``k``
+finite micro-batches, applied as a whole (as Keras's own optimizer does).
 """
 
 from __future__ import annotations
