@@ -13,18 +13,11 @@ One step, as run inside Keras's compiled train step:
    a skipped step changes no weight, slot or iteration count;
 4. the schedule maps ``(state, finite)`` to the next state, in-graph.
 
-With an inner optimizer that accumulates gradients
-(``gradient_accumulation_steps=k``), each ``apply`` is one micro-batch::
-
-    g = unscale(grads); finite = all(isfinite(g))
-    if finite: inner.apply(g)   # adds g to the accumulators; every k-th: averages,
-                                # clips, decays, updates, EMA, resets them
-    else: skip                  # the accumulators and the micro-batch count stay
-    schedule.update(state, finite, step=inner micro-batches applied)
-
-so a non-finite micro-batch is skipped alone and never poisons the
-accumulated gradients: the accumulated update is always the average of ``k``
-finite micro-batches, applied as a whole (as Keras's own optimizer does).
+Gradient accumulation (``gradient_accumulation_steps=k`` on the inner
+optimizer): each ``apply`` is one micro-batch, and step 3 holds it, so a
+non-finite micro-batch is skipped alone (the accumulators and the micro-batch
+count stay, the scale backs off): the update is always the average of ``k``
+finite micro-batches, applied as a whole, as with Keras's optimizer.
 """
 
 from __future__ import annotations
@@ -377,8 +370,7 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
             # Agree before deciding: a NaN on one replica skips the step everywhere.
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         finite = ops.equal(ops.sum(nonfinite), 0)
-        # The inner optimizer's count of applied micro-batches: ``iterations``
-        # is a tensor (optimizer steps) under gradient accumulation.
+        # Applied micro-batches (``iterations`` is a tensor under accumulation).
         step = ops.convert_to_tensor(self.inner_optimizer._iterations.value)
 
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
