@@ -153,9 +153,10 @@ def test_keras_policies_without_a_name_take_the_adaptive_default_entry():
     import keras_mp
     from keras.src.dtype_policies.dtype_policy import QuantizedDTypePolicy
 
+    with keras_mp.policy_scope("adaptive_bfloat16"):
+        assert QuantizedDTypePolicy("int8").name == "int8_from_mixed_bfloat16"
     with keras_mp.policy_scope("adaptive_float16") as policy:
         assert keras.DTypePolicy().name == "mixed_float16"
-        assert QuantizedDTypePolicy("int8").name == "int8_from_mixed_float16"
         assert keras.DTypePolicy("bfloat16").name == "bfloat16"
         assert policy == keras_mp.policies.get("adaptive_float16")
         assert policy != keras.DTypePolicy("mixed_float16")
