@@ -48,6 +48,9 @@ rescue.install()
 # Keras's model.quantize reads a DTypePolicyMap's name as a layer's policy
 # name; the fix hands each layer its own entry (see keras_mp.deploy.quantization).
 quantization.patch_quantize()
+# Keras's DTypePolicy() without a name takes the global policy's; an adaptive
+# global gives its default entry's (see keras_mp.adaptive.policy).
+adaptive.policy.patch_default_names()
 
 __all__ = [
     "AdaptivePolicy",

@@ -67,6 +67,7 @@ NO_ARGUMENTS = {
     "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
+    "adaptive.policy.patch_default_names",
     "device.memory.process_rss", "device.memory.process_peak_rss", "device.memory.step_device",
     "device.memory.release_free_heap", "device.memory.after_trace", "execution.step_trial.untimed",
     "fused.layers.fused_activation",  # a lookup: None for anything without a fused kernel

@@ -1,5 +1,9 @@
-"""Keras's own test suite for the optimizer keras-mp replaces, run against
-keras_mp.LossScaleOptimizer (the installed Keras ships its tests)."""
+"""Keras's own test suites run against keras-mp (the installed Keras ships
+its tests): the loss-scale optimizer's, in this process, against
+keras_mp.LossScaleOptimizer; and Keras's base-optimizer tests of gradient
+accumulation, EMA and clipping under keras-mp's float16 set-ups against the
+same under Keras's own (tests/keras_suites.py; its ``--full`` command runs
+every group)."""
 
 import importlib
 import unittest
@@ -7,6 +11,7 @@ import unittest
 import pytest
 
 import keras_mp
+from tests import keras_suites
 
 
 def _keras_suite(module_name: str, **replace) -> unittest.TestSuite:
@@ -29,3 +34,15 @@ def test_keras_loss_scale_optimizer_tests_pass_on_keras_mp():
     assert not problems, "\n".join(problems)
     assert result.testsRun >= 15, result.testsRun
     print(f"{result.testsRun} Keras tests, {len(result.skipped)} skipped")
+
+
+@pytest.mark.parametrize("mode", keras_suites.CI_PAIRS)
+def test_keras_optimizer_tests_pass_where_they_pass_under_keras(mode):
+    paths = keras_suites.files(keras_suites.CI_FILES)
+    if not paths:
+        pytest.skip("this Keras build ships no optimizer tests")
+    control = keras_suites.PAIRS[mode]
+    got = {m: keras_suites.run(m, paths, keras_suites.CI_SELECT) for m in (control, mode)}
+    assert keras_suites.counts(got[control])["passed"] >= 5, got[control]
+    assert set(got[mode]) == set(got[control])
+    assert keras_suites.regressions(got[control], got[mode]) == []

@@ -144,3 +144,20 @@ def test_keras_file_round_trip_restores_per_layer_dtypes(tmp_path):
     assert all(l._dtype_policy is p for l in loaded.layers)
     p.assign(loaded.layers[1].path, "float32")
     assert loaded.layers[1].compute_dtype == "float32"
+
+
+def test_keras_policies_without_a_name_take_the_adaptive_default_entry():
+    # Keras's DTypePolicy() / QuantizedDTypePolicy(mode) read the global
+    # policy's name, which "adaptive_float16" is not a Keras dtype of
+    # (Keras's dtype_policy_map_test / dtype_policy_test under keras-mp).
+    import keras_mp
+    from keras.src.dtype_policies.dtype_policy import QuantizedDTypePolicy
+
+    with keras_mp.policy_scope("adaptive_bfloat16"):
+        assert QuantizedDTypePolicy("int8").name == "int8_from_mixed_bfloat16"
+    with keras_mp.policy_scope("adaptive_float16") as policy:
+        assert keras.DTypePolicy().name == "mixed_float16"
+        assert keras.DTypePolicy("bfloat16").name == "bfloat16"
+        assert policy == keras_mp.policies.get("adaptive_float16")
+        assert policy != keras.DTypePolicy("mixed_float16")
+        assert policy != keras_mp.policies.get("adaptive_bfloat16")

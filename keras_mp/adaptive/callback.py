@@ -284,7 +284,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         """Per-layer loss scales: asked for by the policy or the optimizer
         (built here, so that its layers can be bound before the first step)."""
         own = isinstance(opt, LossScaleOptimizer) and opt.layer_scales
-        if own and not opt.built:
+        if own and not opt.built and self.model.trainable_variables:
             with self.model.distribute_strategy.scope():
                 opt.build(self.model.trainable_variables)
         return policy.layer_loss_scales or own

@@ -44,7 +44,11 @@ def replace_optimizer(model: keras.Model, make: Callable[[], keras.optimizers.Op
         raise TypeError(f"`model` must be a Keras model, got {model!r}.")
     with model.distribute_strategy.scope():
         new = make()
-        new.build(model.trainable_variables)
+        # A model that fit builds in its first step (a Sequential without
+        # an Input) has no variables yet: the optimizer builds at its first
+        # apply, as Keras's does. Built on none it would refuse them.
+        if model.trainable_variables:
+            new.build(model.trainable_variables)
     model.optimizer = new
     compile_config = getattr(model, "_compile_config", None)
     if compile_config is not None and "optimizer" in getattr(compile_config, "config", {}):

@@ -48,7 +48,7 @@ from keras_mp.adaptive import saved_policy
 from keras_mp.adaptive.float8_policy import Float8Policy, Float8Recipe
 from keras_mp.adaptive.rule import DecisionRule, sort_candidates
 
-__all__ = ["AdaptivePolicy"]
+__all__ = ["AdaptivePolicy", "patch_default_names"]
 
 _KERAS_FOR = {"float32": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 
@@ -63,6 +63,44 @@ def _same_layer(path: str, key: str) -> bool:
 
 def _keras_policy(dtype: str) -> DTypePolicy:
     return DTypePolicy(_KERAS_FOR[dtype])
+
+
+def patch_default_names() -> None:
+    """Keras's ``DTypePolicy()`` and ``QuantizedDTypePolicy(mode)`` without a
+    name take the global policy's name, which under an :class:`AdaptivePolicy`
+    (``"adaptive_float16"``) is no Keras dtype: they take the name of its
+    default entry instead (``"mixed_float16"``), the policy its layers start
+    with. Idempotent; called on import of ``keras_mp``.
+
+    Example:
+        >>> import keras, keras_mp
+        >>> with keras_mp.policy_scope("adaptive_bfloat16"):
+        ...     keras.DTypePolicy().name
+        'mixed_bfloat16'
+    """
+    from keras.src.dtype_policies import dtype_policy as module
+
+    for cls, argument in ((module.DTypePolicy, "name"),
+                          (module.QuantizedDTypePolicy, "source_name")):
+        init = cls.__dict__["__init__"]
+        if getattr(init, "_keras_mp_default_name", False):
+            continue
+
+        def patched(self, *args, _init=init, _argument=argument, _class=cls, **kwargs):
+            # The name is the first argument of DTypePolicy, the second of
+            # QuantizedDTypePolicy (after the mode).
+            position = 0 if _class is module.DTypePolicy else 1
+            given = args[position] if len(args) > position else kwargs.get(_argument)
+            # Read only when no name is given: the global's own default
+            # is built here, with a name.
+            current = module.dtype_policy() if given is None else None
+            if isinstance(current, AdaptivePolicy):
+                kwargs[_argument] = current.default_policy.name
+                args = args[:position]
+            _init(self, *args, **kwargs)
+
+        patched._keras_mp_default_name = True
+        cls.__init__ = patched
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -431,6 +469,12 @@ class AdaptivePolicy(DTypePolicyMap):
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects=None) -> AdaptivePolicy:
         return saved_policy.read(cls, config)
+
+    def __eq__(self, other) -> bool:
+        # Keras's DTypePolicy.__eq__ compares ``_name``, which a map has not.
+        return type(other) is type(self) and other.get_config() == self.get_config()
+
+    __hash__ = None   # mutable, as Keras's DTypePolicyMap
 
     def __repr__(self) -> str:
         others = {path: p.name for path, p in self.policies().items()}

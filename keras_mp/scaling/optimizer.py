@@ -12,6 +12,12 @@ One step, as run inside Keras's compiled train step:
    finite, so its ``clipnorm``/``clipvalue`` act on true gradient values and
    a skipped step changes no weight, slot or iteration count;
 4. the schedule maps ``(state, finite)`` to the next state, in-graph.
+
+Gradient accumulation (``gradient_accumulation_steps=k`` on the inner
+optimizer): each ``apply`` is one micro-batch, and step 3 holds it, so a
+non-finite micro-batch is skipped alone (the accumulators and the micro-batch
+count stay, the scale backs off): the update is always the average of ``k``
+finite micro-batches, applied as a whole, as with Keras's optimizer.
 """
 
 from __future__ import annotations
@@ -369,7 +375,8 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
             # Agree before deciding: a NaN on one replica skips the step everywhere.
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         finite = ops.equal(ops.sum(nonfinite), 0)
-        step = ops.convert_to_tensor(self.iterations.value)
+        # Applied micro-batches (``iterations`` is a tensor under accumulation).
+        step = ops.convert_to_tensor(self.inner_optimizer._iterations.value)
 
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             ops.cond(finite, lambda: self._apply_inner(unscaled, trainable_variables),

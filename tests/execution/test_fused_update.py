@@ -49,10 +49,17 @@ def _compiles(graph) -> bool:
     return any(f.definition.attr["_XlaMustCompile"].b for f in funcs)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_same_variables_as_the_graph(name):
+#: Gradient accumulation and EMA: Keras's update runs inside them.
+FEATURES = {"accumulate": {"gradient_accumulation_steps": 2},
+            "ema": {"use_ema": True, "ema_momentum": 0.5, "ema_overwrite_frequency": 2}}
+
+
+@pytest.mark.parametrize("name, feature", [(n, None) for n in OPTIMIZERS] + [
+    ("adam", "accumulate"), ("sgd", "ema"), ("lion", "accumulate")])
+def test_same_variables_as_the_graph(name, feature):
+    config = {"learning_rate": 1e-2, **FEATURES.get(feature, {})}
     make = lambda: keras.optimizers.get({"class_name": name,  # noqa: E731
-                                         "config": {"learning_rate": 1e-2}})
+                                         "config": config})
     plain, plain_graph = _run(make(), False)
     fused, fused_graph = _run(make(), True)
     assert not _compiles(plain_graph) and _compiles(fused_graph)

@@ -22,6 +22,13 @@ OPTIMIZERS = [
     ("sgd", lambda: keras.optimizers.SGD(0.1)),
     ("sgd_momentum", lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
     ("sgd_nesterov", lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)),
+    # Keras calls update_step with the accumulated gradient (its step count
+    # is iterations // steps) and updates the moving average after it.
+    ("adam_accumulate", lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=3)),
+    ("sgd_momentum_accumulate_ema", lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, gradient_accumulation_steps=2, use_ema=True,
+        ema_overwrite_frequency=2)),
+    ("adamw_ema", lambda: keras.optimizers.AdamW(0.01, use_ema=True, ema_momentum=0.5)),
 ]
 
 

@@ -1,0 +1,182 @@
+"""The drop-in suite: the installed Keras's own test modules run under
+keras-mp's policies and under Keras's own, side by side. A test that passes
+under Keras's policy (the control) and fails under keras-mp's counts against
+keras-mp.
+
+Each run is a pytest subprocess over the modules of one group, with
+:mod:`tests.keras_suites_plugin` setting up the mode (train steps as
+TensorFlow graphs, ``KERAS_MP_EXECUTION=graph``, as in keras-mp's own tests).
+The pairs (:data:`PAIRS`), keras-mp's mode against its control:
+
+* ``adaptive_bfloat16`` against Keras ``mixed_bfloat16`` (``"adaptive"``
+  resolves to ``"adaptive_bfloat16"`` on bfloat16 hardware, to float32 alone
+  on a CPU without it);
+* ``adaptive_float16`` against Keras ``mixed_float16``;
+* ``mixed_float16`` with every optimizer the test modules make wrapped in
+  ``keras_mp.LossScaleOptimizer`` against the same wrapped in Keras's
+  ``LossScaleOptimizer`` (``optimizers`` group).
+
+In keras-mp's modes ``keras_mp.LossScaleOptimizer`` stands wherever Keras uses
+its own. CI runs :data:`CI_FILES` (``tests/test_keras_suites.py``); the full
+comparison, every group of :data:`GROUPS`, is::
+
+    python -m tests.keras_suites --full            # add --json FILE for the outcomes
+
+(about an hour on 2 CPU cores). It prints, per group and pair, the tests
+passed and failed under each mode, then every test that passes under the
+control and fails under keras-mp, and exits 1 if there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mode:
+    policy: str          # the global policy
+    keras_mp: bool       # keras-mp's set-up (else Keras's own)
+    wrap: bool = False   # every optimizer wrapped in the mode's loss-scale optimizer
+
+
+MODES = {
+    "keras_mixed_bfloat16": Mode("mixed_bfloat16", False),
+    "keras_mp_adaptive_bfloat16": Mode("adaptive_bfloat16", True),
+    "keras_mixed_float16": Mode("mixed_float16", False),
+    "keras_mp_adaptive_float16": Mode("adaptive_float16", True),
+    "keras_lso_wrapped": Mode("mixed_float16", False, wrap=True),
+    "keras_mp_lso_wrapped": Mode("mixed_float16", True, wrap=True),
+}
+
+#: keras-mp's mode -> its control.
+PAIRS = {
+    "keras_mp_adaptive_bfloat16": "keras_mixed_bfloat16",
+    "keras_mp_adaptive_float16": "keras_mixed_float16",
+    "keras_mp_lso_wrapped": "keras_lso_wrapped",
+}
+
+#: Group -> Keras test files (globs under keras/src), and the pairs it runs.
+GROUPS = {
+    "dtype_policies": (["dtype_policies/*_test.py"], tuple(PAIRS)[:2]),
+    "optimizers": (["optimizers/*_test.py", "optimizers/schedules/*_test.py"], tuple(PAIRS)),
+    "models": (["models/*_test.py"], tuple(PAIRS)[:2]),
+    "saving": (["saving/*_test.py"], tuple(PAIRS)[:2]),
+    "trainers": (["trainers/*_test.py"], tuple(PAIRS)[:2]),
+    "layers": (["layers/core/*_test.py", "layers/normalization/*_test.py",
+                "layers/activations/*_test.py", "layers/merging/*_test.py",
+                "layers/attention/*_test.py"], tuple(PAIRS)[:2]),
+}
+
+#: What CI runs (tests/test_keras_suites.py): Keras's base-optimizer tests
+#: of gradient accumulation, EMA and clipping, under the float16 pairs
+#: (adaptive_float16; every optimizer wrapped in keras_mp.LossScaleOptimizer).
+CI_FILES = ["optimizers/optimizer_test.py"]
+CI_SELECT = "accumulation or ema or clip"
+CI_PAIRS = ("keras_mp_adaptive_float16", "keras_mp_lso_wrapped")
+
+
+def keras_src() -> str:
+    import keras.src
+
+    return os.path.dirname(keras.src.__file__)
+
+
+def files(patterns: list[str]) -> list[str]:
+    src = keras_src()
+    return sorted(f for p in patterns for f in glob.glob(os.path.join(src, p)))
+
+
+def run(mode: str, paths: list[str], select: str | None = None,
+        timeout: float = 7200) -> dict[str, str]:
+    """Runs pytest over ``paths`` (the tests matching ``select``, a ``-k``
+    expression, if given) in a subprocess in ``mode``; returns each test's
+    outcome (``passed``, ``failed``, ``skipped``) by node id."""
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {sorted(MODES)}, got {mode!r}.")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "outcomes.json")
+        ini = os.path.join(tmp, "pytest.ini")
+        with open(ini, "w") as f:
+            f.write("[pytest]\nfilterwarnings = ignore\n")
+        env = dict(os.environ, KERAS_MP_SUITE_MODE=mode, KERAS_MP_SUITE_OUT=out,
+                   KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3",
+                   KERAS_MP_EXECUTION="graph",
+                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tests.keras_suites_plugin",
+               "-c", ini, "--rootdir", keras_src(), "-p", "no:cacheprovider",
+               "--tb=line", "-o", "console_output_style=classic",
+               "--continue-on-collection-errors",
+               *(["-k", select] if select else []), *paths]
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
+        if not os.path.exists(out):
+            raise RuntimeError(f"pytest wrote no outcomes ({mode}, rc {proc.returncode}):\n"
+                               + proc.stdout[-3000:] + proc.stderr[-3000:])
+        with open(out) as f:
+            return json.load(f)
+
+
+def regressions(control: dict[str, str], ours: dict[str, str]) -> list[str]:
+    """Tests that pass under the control and do not pass under keras-mp
+    (failed, or missing: a crash of the run)."""
+    return sorted(t for t, o in control.items() if o == "passed" and ours.get(t) != "passed")
+
+
+def counts(outcomes: dict[str, str]) -> dict[str, int]:
+    c = collections.Counter(outcomes.values())
+    return {k: c.get(k, 0) for k in ("passed", "failed", "skipped")}
+
+
+def compare(groups: dict, select: str | None = None, log=print) -> dict:
+    """Runs every group's pairs; returns ``{group: {pair: {...}}}``."""
+    results: dict = {}
+    for group, (patterns, pairs) in groups.items():
+        paths = files(patterns)
+        results[group] = {}
+        for ours in pairs:
+            control = PAIRS[ours]
+            got = {m: run(m, paths, select) for m in (control, ours)}
+            bad = regressions(got[control], got[ours])
+            results[group][ours] = {"control": control, "outcomes": got, "regressions": bad,
+                                    "counts": {m: counts(o) for m, o in got.items()}}
+            log(f"{group:15s} {ours:28s} {counts(got[ours])}  vs  {control:22s} "
+                f"{counts(got[control])}  keras-mp-only failures: {len(bad)}", flush=True)
+            for t in bad:
+                log(f"    {t}", flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--full", action="store_true", help="every group (default: CI's)")
+    parser.add_argument("--groups", help="comma-separated groups of GROUPS")
+    parser.add_argument("--json", help="write every outcome to this file")
+    args = parser.parse_args(argv)
+    if args.groups:
+        unknown = set(args.groups.split(",")) - set(GROUPS)
+        if unknown:
+            parser.error(f"--groups: unknown {sorted(unknown)}; choose from {sorted(GROUPS)}")
+        groups = {g: GROUPS[g] for g in args.groups.split(",")}
+    else:
+        groups = GROUPS if args.full else {"ci": (CI_FILES, CI_PAIRS)}
+    results = compare(groups, None if args.full or args.groups else CI_SELECT)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    bad = [t for g in results.values() for r in g.values() for t in r["regressions"]]
+    print(f"keras-mp-only failures: {len(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
