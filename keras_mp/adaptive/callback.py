@@ -226,7 +226,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             self._state.write(self._states(), policy.candidates, self._calls)
         optimizer = self._connect_optimizer(model)
         self._scales = LossScales(optimizer, layers, hooks,
-                                  per_layer=self._per_layer(policy, optimizer))
+                                  per_layer=optimizer_setup.per_layer(self.model, policy, optimizer))
         self._scales.install(self._forward_order())
         execution.configure(model)  # XLA or graph: the faster measured here
         self._probe_fn = self._make_probe() if step_functions.keras_train_step(model) else None
@@ -260,9 +260,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
         if not isinstance(opt, LossScaleOptimizer) and (
                 self._policy.uses_float16 or self.loss_scale is not None
                 or isinstance(opt, keras.optimizers.LossScaleOptimizer)):
-            opt = self._wrap_optimizer(model, opt)
-            if not step_functions.keras_train_step(model):  # may not call scale_loss:
-                opt.check_scaled_loss = model.name  # unscale only what it scaled (scaled_loss)
+            opt = optimizer_setup.wrap_for_loss_scaling(
+                model, opt, self.loss_scale if self.loss_scale is not None else "dynamic",
+                self._policy.layer_loss_scales, step_functions.keras_train_step(model))
         if isinstance(opt, LossScaleOptimizer):
             self._stats.scale_floor = optimizer_setup.scale_floor(opt.schedule)
             opt.statistics_sink = sink
@@ -271,23 +271,6 @@ class AdaptivePrecision(keras.callbacks.Callback):
             self._stats.scale_floor = None
             self._hooks.hook_optimizer(opt, sink)
         return opt
-
-    def _wrap_optimizer(self, model: keras.Model, opt) -> LossScaleOptimizer:
-        inner = opt.inner_optimizer if isinstance(opt, keras.optimizers.LossScaleOptimizer) \
-            else opt
-        schedule = self.loss_scale if self.loss_scale is not None else "dynamic"
-        per_layer = self._policy.layer_loss_scales
-        return optimizer_setup.replace_optimizer(
-            model, lambda: LossScaleOptimizer(inner, schedule=schedule, layer_scales=per_layer))
-
-    def _per_layer(self, policy: AdaptivePolicy, opt) -> bool:
-        """Per-layer loss scales: asked for by the policy or the optimizer
-        (built here, so that its layers can be bound before the first step)."""
-        own = isinstance(opt, LossScaleOptimizer) and opt.layer_scales
-        if own and not opt.built and self.model.trainable_variables:
-            with self.model.distribute_strategy.scope():
-                opt.build(self.model.trainable_variables)
-        return policy.layer_loss_scales or own
 
     def _make_probe(self):
         model, policy, layers, hooks = self.model, self._policy, self._layers, self._hooks

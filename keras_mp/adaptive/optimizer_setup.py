@@ -20,6 +20,7 @@ from collections.abc import Callable
 import keras
 
 from keras_mp.scaling import loss_scale
+from keras_mp.scaling.optimizer import LossScaleOptimizer
 
 __all__ = ["scale_floor", "replace_optimizer", "rebuild_for_new_variables"]
 
@@ -55,6 +56,31 @@ def replace_optimizer(model: keras.Model, make: Callable[[], keras.optimizers.Op
         compile_config.config["optimizer"] = new
     model.train_function = None
     return new
+
+
+def wrap_for_loss_scaling(model: keras.Model, opt, schedule, layer_scales: bool,
+                          keras_train_step: bool) -> LossScaleOptimizer:
+    """Replaces ``model``'s optimizer by a :class:`keras_mp.LossScaleOptimizer`
+    around its inner optimizer (Keras's own loss-scale wrapper taken off). A
+    model with its own ``train_step`` may not call ``scale_loss``: its
+    gradients are unscaled only where they were scaled
+    (:mod:`keras_mp.scaling.scaled_loss`)."""
+    inner = opt.inner_optimizer if isinstance(opt, keras.optimizers.LossScaleOptimizer) else opt
+    new = replace_optimizer(
+        model, lambda: LossScaleOptimizer(inner, schedule=schedule, layer_scales=layer_scales))
+    if not keras_train_step:
+        new.check_scaled_loss = model.name
+    return new
+
+
+def per_layer(model: keras.Model, policy, opt) -> bool:
+    """Per-layer loss scales: asked for by the policy or the optimizer
+    (built here, so that its layers can be bound before the first step)."""
+    own = isinstance(opt, LossScaleOptimizer) and opt.layer_scales
+    if own and not opt.built and model.trainable_variables:
+        with model.distribute_strategy.scope():
+            opt.build(model.trainable_variables)
+    return policy.layer_loss_scales or own
 
 
 def rebuild_for_new_variables(model: keras.Model) -> None:

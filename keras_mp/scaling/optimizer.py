@@ -13,11 +13,9 @@ One step, as run inside Keras's compiled train step:
    a skipped step changes no weight, slot or iteration count;
 4. the schedule maps ``(state, finite)`` to the next state, in-graph.
 
-Gradient accumulation (``gradient_accumulation_steps=k`` on the inner
-optimizer): each ``apply`` is one micro-batch, and step 3 holds it, so a
-non-finite micro-batch is skipped alone (the accumulators and the micro-batch
-count stay, the scale backs off): the update is always the average of ``k``
-finite micro-batches, applied as a whole, as with Keras's optimizer.
+With ``gradient_accumulation_steps=k`` each ``apply`` is one micro-batch and
+step 3 holds it: a non-finite one is skipped alone (accumulators and count
+stay, the scale backs off), so an update is always k finite micro-batches.
 """
 
 from __future__ import annotations
@@ -202,12 +200,9 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
         self._state_variables: dict[str, keras.Variable] = {}
         # Called in replica context with (GradientStatistics, scale, variables)
         # every step when set; the adaptive precision policy hooks in here.
-        self.statistics_sink = None
-        # None, or a callable returning, in the step being traced, a scalar
-        # bool tensor: the sink's statistics are computed only where it is
-        # true (a trace shared by plain and statistics steps), or None
-        # (every step).
-        self.statistics_gate = None
+        # The gate, a callable or None (every step), returns in the step being
+        # traced a scalar bool: the sink runs only where it is true.
+        self.statistics_sink = self.statistics_gate = None
         # A model's name: unscale only what its scale_loss scaled (scaled_loss).
         self.check_scaled_loss = None
         object.__setattr__(self, "_scaled_loss", ScaledLossCheck())
