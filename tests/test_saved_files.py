@@ -27,10 +27,14 @@ def test_file_saved_before_the_layout_loads_predicts_and_trains(name, expected):
     model = keras.saving.load_model(HERE / f"{name}.keras")
     x = expected[f"{name}/x"]
     # Within two units in the last place of the output's 16-bit dtype: which
-    # kernels compute it (XLA or TensorFlow) is measured per process.
+    # kernels compute it (XLA or TensorFlow) is measured per process. float8
+    # layers quantize their inputs to 3 mantissa bits: another CPU's float32
+    # summation order (AVX2 against AVX-512) flips a rounding there (seen:
+    # 0.1177 against 0.1348 on an AVX2-only EPYC), so two float8 units.
     y = expected[f"{name}/y"]
+    mantissa_bits = 3 if name == "adaptive_float8" else 7
     np.testing.assert_allclose(np.asarray(model.predict(x, verbose=0), "float32"), y,
-                               rtol=0, atol=2 * 2.0 ** -7 * np.abs(y).max())
+                               rtol=0, atol=2 * 2.0 ** -mantissa_bits * np.abs(y).max())
     assert [f"{layer.name}:{layer.compute_dtype}" for layer in model.layers
          if not isinstance(layer, keras.layers.InputLayer)] == \
         list(expected[f"{name}/dtypes"])

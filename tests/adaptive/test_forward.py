@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from keras_mp.adaptive import forward
+from keras_mp.device import memory
 
 
 def _large(dtype="bfloat16"):
@@ -66,7 +67,8 @@ def test_large_tensor_statistics_copy_nothing(static):
     x = _large()
     step = _traced(static, x.shape)
     step(x)
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    if not memory.reset_peak("CPU:0"):
+        pytest.skip("TensorFlow's CPU allocator keeps no statistics here (no oneDNN allocator)")
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     step(x).numpy()
     grown = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
