@@ -175,10 +175,11 @@ def test_real_model(lifecycle, name, policy):
         assert facts["optimizer"] == "LossScaleOptimizer", facts
     if not full:
         assert facts["chosen"] == "graph", facts
-    if MODELS[name] == "hub" and full:
+    if MODELS[name] == "hub" and full and set(facts["candidates"]) != {"float32"}:
         evidence = facts["evidence"]
         # Every layer's forward statistics; every layer that holds weights,
-        # its gradients and the probe's errors.
+        # its gradients and the probe's errors (none where "adaptive" is
+        # float32 alone, as on a CPU without 16-bit units: nothing to adapt).
         assert evidence["forward"] == evidence["rows"], evidence
         assert evidence["gradients"] == evidence["probe"] == evidence["with_weights"] > 10, \
             evidence
