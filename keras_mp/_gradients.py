@@ -114,6 +114,22 @@ def _owners(graph: tf.Graph) -> dict[str, Any]:
     return found
 
 
+def _snapshot(entries: dict) -> list[tuple[str, Any]]:
+    """``entries``' items, copied while nothing else changes them.
+
+    The registry shrinks under our feet: a collected graph's finalizer (set
+    below) pops its entry, and the garbage collector can run it in the
+    middle of any copy that allocates, as ``list(entries.items())`` does
+    (seen in CI: ``dictionary changed size during iteration``). Another
+    thread tracing a function grows it. A copy that saw a change is retried.
+    """
+    while True:
+        try:
+            return list(entries.items())
+        except RuntimeError:  # changed while copied: copy again
+            continue
+
+
 def adopt() -> int:
     """Hands every custom-gradient registration made since the last call over
     to the graph it was traced in (module docstring).
@@ -127,7 +143,7 @@ def adopt() -> int:
     with _lock:
         entries = _registry()
         by_graph: dict[int, tuple[tf.Graph, list[str]]] = {}
-        for name, entry in list(entries.items()):
+        for name, entry in _snapshot(entries):
             fn = entry.get("type") if isinstance(entry, dict) else None
             if not name.startswith(_PREFIX) or name in _unknown or not callable(fn) \
                     or getattr(fn, "_keras_mp_adopted", False):
@@ -145,9 +161,12 @@ def adopt() -> int:
                 if op is None:
                     _unknown.add(name)
                     continue
-                fn = entries[name]["type"]
+                entry = entries.get(name)
+                if entry is None:  # its graph went between the snapshot and now
+                    continue
+                fn = entry["type"]
                 setattr(op, _OWNED, fn)
-                entries[name]["type"] = _weakly(weakref.ref(fn))
+                entry["type"] = _weakly(weakref.ref(fn))
                 weakref.finalize(graph, entries.pop, name, None)
                 adopted += 1
         return adopted

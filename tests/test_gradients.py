@@ -108,3 +108,29 @@ def test_train_steps_keras_mp_traces_again_are_freed():
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert _train_step_graphs(), "the new trace is alive"
     assert all(g() is None for g in old), "the old trace is still held"
+
+
+
+class _ShrinkingRegistry(dict):
+    """A registry whose first copy sees an entry removed half-way, as when a
+    dropped graph's finalizer runs (from the garbage collector or another
+    thread) while ``adopt`` copies TensorFlow's registry."""
+
+    popped = 0
+
+    def items(self):
+        for i, item in enumerate(dict.items(self)):
+            if i == 5 and not self.popped:
+                self.popped += 1
+                self.pop(next(iter(self)))  # the dict's own iteration then fails
+            yield item
+
+
+def test_the_registry_copy_survives_an_entry_removed_during_it():
+    # CI saw `dictionary changed size during iteration` in adopt().
+    entries = _ShrinkingRegistry(
+        {f"{_gradients._PREFIX}test-{i}": {"type": None} for i in range(50)})
+    items = _gradients._snapshot(entries)
+    assert entries.popped == 1
+    assert [name for name, _ in items] == list(entries)
+    assert len(items) == 49
