@@ -91,7 +91,7 @@ def _with_adaptive(model: keras.Model, callbacks):
         return callbacks
     cb = callback_of(model)
     if cb is None:
-        cb = AdaptivePrecision()
+        cb = AdaptivePrecision(history_logs=False)  # History stays Keras's
         setattr(_installed.installed(model), _ATTR, cb)  # nothing Keras should track or save
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.append(cb)

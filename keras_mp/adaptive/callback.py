@@ -30,10 +30,13 @@ What the callback does, and when:
   :func:`keras_mp.adaptive.controller.decide`, assigns the new dtypes in the policy and
   rebuilds the train functions only if a dtype (or a trial) changed.
   Optimizer variables are untouched (variables stay float32).
-* every epoch end: adds ``precision_switches`` (switches this epoch) and,
-  with more than one candidate, ``precision_narrow_layers`` (layers in the
-  narrowest candidate) to the logs, so ``History`` records them; with
-  ``log_dir``, writes per-layer scalars for TensorBoard.
+* every epoch end: a callback passed to ``fit`` adds ``precision_switches``
+  (switches this epoch) and ``precision_narrow_layers`` (layers in their
+  narrowest candidate) to the logs, so ``History`` records them; the one
+  ``fit`` adds by itself under an adaptive policy (``history_logs=False``)
+  leaves ``History`` as Keras's (a drop-in: Keras's own ``model_test.py``
+  compares its keys); with ``log_dir``, writes per-layer scalars for
+  TensorBoard.
 
 Persistence: the per-layer dtypes, controller records and step count live in
 the policy (written once per model into a ``.keras`` file, read back whatever
@@ -117,6 +120,10 @@ class AdaptivePrecision(keras.callbacks.Callback):
             bits and key statistics; the loss scale; probe errors; switches),
             or None.
         verbose: 1 prints every switch.
+        history_logs: True: ``precision_switches`` and
+            ``precision_narrow_layers`` join the epoch's logs (``History``,
+            ``CSVLogger``, the progress bar); False: the logs stay Keras's,
+            as for the callback ``fit`` adds by itself.
 
     Attributes:
         events: every switch made so far, as dicts with ``step``, ``layer``,
@@ -138,7 +145,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
     def __init__(self, interval: int = 100, *, statistics_every: int | None = None,
                  probe_every: int | None | str = "auto", loss_scale: Any = None,
                  first_decision: int | None = 20, log_dir: str | None = None,
-                 verbose: int = 0):
+                 verbose: int = 0, history_logs: bool = True):
         super().__init__()
         checks.count("interval", interval, 1)
         if statistics_every is None:
@@ -155,6 +162,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
             raise TypeError(f"`log_dir` must be a path string or None, got {log_dir!r}.")
         if verbose not in (0, 1):
             raise ValueError(f"`verbose` must be 0 or 1, got {verbose!r}.")
+        if not isinstance(history_logs, bool):
+            raise TypeError(f"`history_logs` must be True or False, got {history_logs!r}.")
         if loss_scale is not None:
             try:
                 loss_scale_lib.get(loss_scale)
@@ -172,6 +181,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._first: int | None = None  # this fit's early decision (step_functions.first_call)
         self.log_dir = log_dir
         self.verbose = verbose
+        self.history_logs = history_logs
         self.events: list[dict[str, Any]] = []
         self.scale_events: list[dict[str, Any]] = []
         self._functions: StepFunctions | None = None
@@ -379,7 +389,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._inert:
             return
-        if logs is not None:
+        if logs is not None and self.history_logs:
             logs["precision_switches"] = self._epoch_switches
             logs["precision_narrow_layers"] = sum(
                 self._policy.dtype_of(p) == self._policy.candidates_for(p)[0]

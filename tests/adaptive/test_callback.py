@@ -353,6 +353,18 @@ def test_history_and_tensorboard_logging(tmp_path):
     assert "precision/switches" in tags and "precision/loss_scale" in tags
 
 
+
+def test_the_callback_fit_adds_leaves_history_as_keras_has_it():
+    # A drop-in: Keras's own model_test.py compares History's keys exactly.
+    keys = {}
+    for policy in ("float32", "adaptive_bfloat16"):
+        model = _small(policy)
+        keys[policy] = set(model.fit(*_xy(16), batch_size=8, epochs=2, verbose=0).history)
+    assert keys["adaptive_bfloat16"] == keys["float32"] == {"loss"}
+    assert keras_mp.adaptive.autofit.callback_of(model).history_logs is False
+    with pytest.raises(TypeError, match="history_logs"):
+        AdaptivePrecision(history_logs="no")
+
 def test_custom_training_loop():
     model = _small("adaptive_float16")
     policy = policies.policy_of(model)

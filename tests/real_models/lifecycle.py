@@ -149,8 +149,6 @@ def train(name: str, policy: str, mode: str, folder: str, length: str = "full") 
         history = model.fit(x, y, batch_size=models.BATCH, epochs=models.epochs(name, policy),
                             verbose=0).history
         facts["loss"] = [float(v) for v in history["loss"]]
-        facts["narrow_layers"] = history.get("precision_narrow_layers")
-        facts["switches"] = history.get("precision_switches")
         facts["chosen"] = keras_mp.execution.chosen(model)
         facts["optimizer"] = type(model.optimizer).__name__
         if not np.isfinite(facts["loss"]).all():
