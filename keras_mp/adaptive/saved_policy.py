@@ -21,6 +21,16 @@ float16-meets-float32 error inside the block. :func:`install` (called on
 import) wraps Keras's ``ObjectSharingScope.__exit__`` to restore the global
 policy when the load ends.
 
+A layer without a ``get_config`` of its own is saved from the arguments
+Keras recorded when it was made (its "auto config"), and Keras records them
+only if every one is a plain value: a loaded layer gets its policy as an
+object (``Layer.from_config`` deserializes it), so under an adaptive policy
+the loaded layer had no config and the loaded model could not be saved
+again (Keras's own ``sequential_test.py::test_serialization``).
+:func:`install` also wraps ``Operation.__new__`` so that Keras records the
+policy's name in its place (``Layer.get_config`` writes the layer's own
+policy over it in any case).
+
 Example:
     >>> import keras, keras_mp, tempfile, os
     >>> with keras_mp.policy_scope("adaptive_bfloat16"):
@@ -40,6 +50,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras.src.backend.common import global_state  # no public name
+from keras.src.ops.operation import Operation  # no public name
 from keras.src.saving import serialization_lib  # no public name
 
 # first_in_save and read serve AdaptivePolicy's get_config and from_config.
@@ -95,9 +106,29 @@ def read(cls, config: dict[str, Any]):
     return policy
 
 
+def _auto_config_dtype(dtype: Any) -> Any:
+    """What Keras's auto config records for a layer's ``dtype`` argument:
+    an adaptive policy's name (Keras records no config for an object)."""
+    if getattr(type(dtype), "_keras_mp_adaptive", False):
+        return dtype.name
+    return dtype
+
+
 def install() -> None:
     """Wraps ``ObjectSharingScope.__exit__`` (once) so that a load restores
-    the global policy that :func:`read` replaced."""
+    the global policy that :func:`read` replaced, and ``Operation.__new__``
+    so that a layer made with an adaptive policy object keeps its auto
+    config (module docstring)."""
+    if not getattr(Operation.__new__, "_keras_mp", False):
+        keras_new = Operation.__new__
+
+        def __new__(cls, *args, **kwargs):
+            if "dtype" in kwargs:
+                kwargs["dtype"] = _auto_config_dtype(kwargs["dtype"])
+            return keras_new(cls, *args, **kwargs)  # __init__ gets the object
+
+        __new__._keras_mp = True
+        Operation.__new__ = staticmethod(__new__)
     scope = serialization_lib.ObjectSharingScope
     if getattr(scope.__exit__, "_keras_mp", False):
         return

@@ -118,3 +118,33 @@ def test_keras_file_holds_the_policy_once(tmp_path):
     print(f"adaptive {sizes['adaptive_float16']} B, mixed_float16 {sizes['mixed_float16']} B, "
           f"{ratio:.3f}x")
     assert ratio <= 1.2
+
+
+class _AutoConfigured(keras.layers.Layer):
+    """A layer without get_config: Keras saves it from its __init__ arguments."""
+
+    def __init__(self, units=3, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.w = self.add_weight((input_shape[-1], self.units))
+
+    def call(self, x):
+        return x @ self.w
+
+
+def test_a_loaded_layer_without_get_config_saves_again(tmp_path):
+    # Keras records a layer's auto config only from plain arguments; a loaded
+    # layer gets its policy as an object (Keras's sequential_test.py).
+    custom = {"_AutoConfigured": _AutoConfigured}
+    with keras_mp.policy_scope("adaptive_float16"):
+        model = keras.Sequential([keras.Input((4,)), _AutoConfigured(5), keras.layers.Dense(2)])
+    model.save(tmp_path / "a.keras")
+    loaded = keras.saving.load_model(tmp_path / "a.keras", custom_objects=custom)
+    assert isinstance(loaded.layers[0].dtype_policy, keras_mp.AdaptivePolicy)
+    assert loaded.layers[0].get_config()["units"] == 5
+    loaded.save(tmp_path / "b.keras")
+    again = keras.saving.load_model(tmp_path / "b.keras", custom_objects=custom)
+    x = np.ones((2, 4), "float32")
+    np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(model(x)))
