@@ -31,12 +31,10 @@ What the callback does, and when:
   rebuilds the train functions only if a dtype (or a trial) changed.
   Optimizer variables are untouched (variables stay float32).
 * every epoch end: a callback passed to ``fit`` adds ``precision_switches``
-  (switches this epoch) and ``precision_narrow_layers`` (layers in their
-  narrowest candidate) to the logs, so ``History`` records them; the one
-  ``fit`` adds by itself under an adaptive policy (``history_logs=False``)
-  leaves ``History`` as Keras's (a drop-in: Keras's own ``model_test.py``
-  compares its keys); with ``log_dir``, writes per-layer scalars for
-  TensorBoard.
+  and ``precision_narrow_layers`` to the logs (``History``); the one ``fit``
+  adds by itself (``history_logs=False``) leaves ``History`` as Keras's
+  (Keras's ``model_test.py`` compares its keys); with ``log_dir``, writes
+  per-layer scalars for TensorBoard.
 
 Persistence: the per-layer dtypes, controller records and step count live in
 the policy (written once per model into a ``.keras`` file, read back whatever
