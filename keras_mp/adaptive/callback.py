@@ -111,9 +111,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
             ``schedule``); None: ``"dynamic"`` when float16 is a candidate and
             no wrapper otherwise. Ignored if the optimizer already is a
             :class:`keras_mp.LossScaleOptimizer`.
-        first_decision: an int >= 1: a ``fit`` from scratch decides first after
-            this many calls or the first epoch if shorter, when before ``interval``
-            (``step_functions.first_call``); None: at ``interval``.
+        first_decision: an int >= 1: a ``fit`` from scratch decides first after this many
+            calls or the first epoch if shorter, when before ``interval`` and the fit's
+            last call (``step_functions.first_call``); None: at ``interval``.
         log_dir: a directory for TensorBoard scalars (per layer: compute
             bits and key statistics; the loss scale; probe errors; switches),
             or None.
@@ -363,8 +363,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
             # Not in on_train_begin: BackupAndRestore may restore after us there.
             self._restore_from_variables()
             self._restored = True
-            self._first = step_functions.first_call(self.first_decision, self.interval, (
-                self.params or {}).get("steps"), self._calls)  # from scratch: judge early
+            self._first = step_functions.first_call(  # from scratch: judge early
+                self.first_decision, self.interval, (self.params or {}).get("steps"), self._calls,
+                execution.start_up.expected_calls(self.params, self.model.steps_per_execution))
             if timeline.of(self.model) is None:  # the start, for plot_precision
                 built = getattr(self._optimizer, "built", False)
                 timeline.record(self.model, self._calls, self._optimizer, self._paths,
