@@ -78,9 +78,10 @@ def test_info_shows_the_measured_execution_mode(capsys):
 def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     variants = "keras_float32,keras_float32_xla,keras_mp"
     assert cli.main(["bench", "--quick", "--models", "mlp", "--variants", variants,
-                     "--steps", "5", "--size", "batch=64", "--out", str(tmp_path)]) == 0
+                     "--steps", "5", "--size", "batch=16,features=64,width=128,depth=2",
+                     "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["sizes"]["mlp"] == dict(batch=64, features=512, width=1024, depth=3)
+    assert report["sizes"]["mlp"] == dict(batch=16, features=64, width=128, depth=2)
     assert report["steps"] >= 5 and report["rounds"] >= 5
     assert report["machine"]["cpu"] and report["machine"]["keras_mp"]
     mlp = report["results"]["mlp"]
