@@ -72,7 +72,7 @@ BFLOAT16_IN_CI = ("CustomTrainStep",)
 #: Models run only with KERAS_MP_REAL_MODELS=all (minutes each on 2 cores:
 #: docs/real_models.md has the figures).
 FULL_ONLY = ("GemmaCausalLM", "BartSeq2SeqLM", "ViTImageClassifier", "ConvNeXtTiny",
-             "DenseNet121", "LlamaCausalLM", "TransformerBlock")
+             "DenseNet121", "LlamaCausalLM", "TransformerBlock", "ResNet50V2", "EfficientNetB0")
 #: Fewest report rows a model has (the keras-io-style models are small).
 MIN_ROWS = {"CustomTrainStep": 3, "VAE": 12, "TransformerBlock": 20}
 
