@@ -41,7 +41,7 @@ patch_multi_worker()
 autofit.install()
 # A loaded model gets back the one adaptive policy it was saved with, whatever
 # the global policy (see keras_mp.adaptive.saved_policy).
-saved_policy.install()
+saved_policy.install(AdaptivePolicy)
 # Under an adaptive policy: exact integer inputs, dtype mismatches resolved in
 # float32, float32 predictions for top-k metrics (keras_mp.adaptive.rescue).
 rescue.install()

@@ -63,7 +63,7 @@ NO_ARGUMENTS = {
     "datasets.default_name", "tuning.TuningMetrics",
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
-    "adaptive.saved_policy.install",
+    "adaptive.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
     "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",

@@ -118,10 +118,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
             bits and key statistics; the loss scale; probe errors; switches),
             or None.
         verbose: 1 prints every switch.
-        history_logs: True: ``precision_switches`` and
-            ``precision_narrow_layers`` join the epoch's logs (``History``,
-            ``CSVLogger``, the progress bar); False: the logs stay Keras's,
-            as for the callback ``fit`` adds by itself.
+        history_logs: True: ``precision_switches`` and ``precision_narrow_layers`` join
+            the epoch's logs (``History``); False: they stay Keras's (the callback
+            ``fit`` adds by itself).
 
     Attributes:
         events: every switch made so far, as dicts with ``step``, ``layer``,
@@ -177,6 +176,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self.first_decision = None if first_decision is None else checks.count(
             "first_decision", first_decision, 1)
         self._first: int | None = None  # this fit's early decision (step_functions.first_call)
+        self._expected: int | None = None  # this fit's calls, where known (set_params)
         self.log_dir = log_dir
         self.verbose = verbose
         self.history_logs = history_logs
@@ -249,13 +249,13 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._restored = False
 
     def set_params(self, params: dict) -> None:
-        """Keras's ``fit`` parameters; the coming fit's length goes to the
-        execution choice (:func:`keras_mp.execution.start_up.expect`): a short
-        fit of a small ``Dense`` model measures nothing."""
+        """Keras's ``fit`` parameters; the coming fit's length goes to the execution choice
+        (``start_up.expect``: a short small ``Dense`` fit measures nothing) and early judgement."""
         super().set_params(params)
         if self.model is not None and isinstance(params, dict) and "epochs" in params:
-            execution.start_up.expect(self.model, execution.start_up.expected_calls(
-                params, getattr(self.model, "steps_per_execution", 1)))
+            self._expected = execution.start_up.expected_calls(
+                params, getattr(self.model, "steps_per_execution", 1))
+            execution.start_up.expect(self.model, self._expected)
 
     def _connect_optimizer(self, model: keras.Model):
         """Wraps the optimizer in a LossScaleOptimizer where loss scaling is
@@ -365,7 +365,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             self._restored = True
             self._first = step_functions.first_call(  # from scratch: judge early
                 self.first_decision, self.interval, (self.params or {}).get("steps"), self._calls,
-                execution.start_up.expected_calls(self.params, self.model.steps_per_execution))
+                self._expected)
             if timeline.of(self.model) is None:  # the start, for plot_precision
                 built = getattr(self._optimizer, "built", False)
                 timeline.record(self.model, self._calls, self._optimizer, self._paths,

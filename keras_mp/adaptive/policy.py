@@ -155,9 +155,6 @@ class AdaptivePolicy(DTypePolicyMap):
         'float32'
     """
 
-    #: Marks the class for keras-mp modules below this one (saved_policy).
-    _keras_mp_adaptive = True
-
     def __init__(self, candidates: Sequence[str] | None = None, *,
                  rule: DecisionRule | dict | None = None,
                  name: str | None = None,

@@ -106,25 +106,18 @@ def read(cls, config: dict[str, Any]):
     return policy
 
 
-def _auto_config_dtype(dtype: Any) -> Any:
-    """What Keras's auto config records for a layer's ``dtype`` argument:
-    an adaptive policy's name (Keras records no config for an object)."""
-    if getattr(type(dtype), "_keras_mp_adaptive", False):
-        return dtype.name
-    return dtype
-
-
-def install() -> None:
+def install(adaptive_policy: type) -> None:
     """Wraps ``ObjectSharingScope.__exit__`` (once) so that a load restores
     the global policy that :func:`read` replaced, and ``Operation.__new__``
-    so that a layer made with an adaptive policy object keeps its auto
-    config (module docstring)."""
+    so that a layer made with an ``adaptive_policy`` object (the class,
+    passed in: its module imports this one) keeps its auto config (module
+    docstring)."""
     if not getattr(Operation.__new__, "_keras_mp", False):
         keras_new = Operation.__new__
 
         def __new__(cls, *args, **kwargs):
-            if "dtype" in kwargs:
-                kwargs["dtype"] = _auto_config_dtype(kwargs["dtype"])
+            if isinstance(kwargs.get("dtype"), adaptive_policy):
+                kwargs["dtype"] = kwargs["dtype"].name  # what Keras's auto config records
             return keras_new(cls, *args, **kwargs)  # __init__ gets the object
 
         __new__._keras_mp = True
