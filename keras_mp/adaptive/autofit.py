@@ -7,7 +7,8 @@ looks at the model's layers: if they hold a :class:`keras_mp.AdaptivePolicy`
 and no :class:`keras_mp.callbacks.AdaptivePrecision` is among the callbacks,
 it adds one with default settings (the same one for every ``fit`` of that
 model, so a second ``fit`` continues the first). Everything else passes
-through untouched: models under a static policy, models that override
+through untouched: models under a static policy, models with no layer to
+adapt (every layer quantized, say: they train as under Keras), models that override
 ``fit``, and calls that pass their own ``AdaptivePrecision`` (which is how
 to configure it). Where other code replaced ``keras.Model.fit`` before
 ``import keras_mp``, its wrapper is wrapped if it passes ``**kwargs`` on;
@@ -39,7 +40,7 @@ import keras
 
 from keras_mp import _installed
 from keras_mp.adaptive.callback import AdaptivePrecision
-from keras_mp.adaptive.controlled_layers import policy_of
+from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 
 __all__ = ["callback_of", "enabled", "install", "set_enabled"]
 
@@ -77,8 +78,9 @@ def _with_adaptive(model: keras.Model, callbacks):
         else list(callbacks or [])
     if any(isinstance(cb, AdaptivePrecision) for cb in given):
         return callbacks
-    if policy_of(model) is None:
-        return callbacks
+    policy = policy_of(model)
+    if policy is None or not adaptive_layers(model, policy):
+        return callbacks  # nothing to adapt (every layer quantized, say): Keras's fit
     if not _state["enabled"]:
         if not _state["warned"]:
             _state["warned"] = True

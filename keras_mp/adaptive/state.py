@@ -16,7 +16,7 @@ from keras.src.utils.tracking import DotNotTrackScope  # no public name
 
 from keras_mp.adaptive import controller
 
-__all__ = ["STATE_FIELDS", "PrecisionState"]
+__all__ = ["STATE_FIELDS", "AttachedState", "PrecisionState"]
 
 #: The :class:`keras_mp.adaptive.controller.LayerState` fields, in table-row order.
 #: The ``trial`` row also carries ``suspect`` (``trial + 2 * suspect``: a layer
@@ -24,7 +24,24 @@ __all__ = ["STATE_FIELDS", "PrecisionState"]
 STATE_FIELDS = ("dtype", "healthy", "cooldown", "switches", "strikes", "trial")
 
 
-class PrecisionState(keras.layers.Layer):
+class AttachedState(keras.layers.Layer):
+    """A layer that keras-mp attaches to a model (:func:`attached`) only for
+    its variables, never called on data.
+
+    A weights file without its entry (saved by a model that never trained
+    under keras-mp, or by Keras alone) leaves it as it is: Keras's
+    ``load_weights`` loads the model's own weights from such a file, as it
+    does without keras-mp (Keras's ``embedding_test.py::test_enable_lora``
+    loads a fresh model's weights into a trained one).
+    """
+
+    def load_own_variables(self, store):
+        if len(store.keys()) == 0 and self.variables:  # nothing of ours in the file
+            return
+        super().load_own_variables(store)
+
+
+class PrecisionState(AttachedState):
     """The controller's per-layer state as variables, so that checkpoints and
     ``BackupAndRestore`` carry it. Never called on data."""
 

@@ -60,6 +60,7 @@ import tensorflow as tf
 from keras_mp.adaptive import forward
 from keras_mp.scaling import kernels
 from keras_mp.adaptive.controller import LayerStats
+from keras_mp.adaptive.state import AttachedState
 
 __all__ = ["FRACTIONS", "IntervalStats", "LayerStatistics", "agree", "learned_variables",
            "variable_path"]
@@ -158,7 +159,7 @@ def _probe_rows(probe) -> tuple[tf.Tensor, tf.Tensor]:
     return counts, per_layer
 
 
-class LayerStatistics(keras.layers.Layer):
+class LayerStatistics(AttachedState):
     """Accumulates per-layer statistics on device: the optimizer's gradient
     statistics and the forward statistics that the model's
     :class:`keras_mp.adaptive.hooks.Hooks` recorded in the same step, and

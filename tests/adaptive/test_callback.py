@@ -440,6 +440,26 @@ def test_keras_file_keeps_dtypes_controller_state_and_optimizer(tmp_path):
     assert precision_report(loaded).rows[0]["switches"] == before.rows[0]["switches"]
 
 
+def test_weights_of_a_model_never_adapted_load_into_an_adapted_one(tmp_path):
+    # Keras's embedding_test.py::test_enable_lora: a fresh model's weights
+    # file (no keras-mp state in it) is loaded into a trained model.
+    model, _ = _switched_model()
+    before = precision_report(model)
+    policies.set_global_policy("adaptive_float16")
+    fresh = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(u) for u in (8, 4, 1)])
+    path = str(tmp_path / "fresh.weights.h5")
+    fresh.save_weights(path)
+    scale = float(model.optimizer.loss_scale)
+    with pytest.warns(UserWarning, match="Skipping variable loading for optimizer"):
+        model.load_weights(path)  # no optimizer in the file: Keras's warning, the state kept
+    assert float(model.optimizer.loss_scale) == scale
+    for a, b in zip(model.weights, fresh.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())  # the weights are the file's
+    after = precision_report(model)  # the state is kept
+    assert [r["state"] for r in after.rows] == [r["state"] for r in before.rows]
+    assert model.layers[0].compute_dtype == "float32"
+
+
 class _Interrupt(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 1:

@@ -483,6 +483,20 @@ def test_the_global_policy_is_enough():
     assert autofit.callback_of(static) is None
 
 
+def test_a_model_with_no_layer_to_adapt_trains_as_under_keras():
+    # Keras's dense_test.py quantizes a one-layer model and fits it.
+    policies.set_global_policy("adaptive_bfloat16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.quantize("int8")
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = _xy(16)
+    model.fit(x, np.repeat(y, 2, axis=1), batch_size=8, epochs=1, verbose=0)
+    assert autofit.callback_of(model) is None
+    with pytest.raises(ValueError, match="found no layer"):  # asked for by hand: said
+        model.fit(x, np.repeat(y, 2, axis=1), epochs=1, verbose=0,
+                  callbacks=[AdaptivePrecision()])
+
+
 def test_automatic_adaptation_can_be_turned_off_with_a_warning():
     autofit.set_enabled(False)
     try:
