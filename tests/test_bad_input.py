@@ -62,6 +62,7 @@ NO_ARGUMENTS = {
     "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "device.xla.disabled", "execution.reasons.maps", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
+    "adaptive.state.AttachedState",  # a base: a Keras layer's own arguments, checked by Keras
     "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
     "adaptive.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
     "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors

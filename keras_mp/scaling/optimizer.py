@@ -455,13 +455,10 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
     # -- serialization ----------------------------------------------------
 
     def load_own_variables(self, store):
-        # Keras only warns on a count mismatch and keeps the defaults: a
-        # resumed run would silently restart from the initial loss scale.
-        # A file with no optimizer state at all (the weights of a model never
-        # compiled) has nothing to lose: Keras's warning, the state kept.
-        saved = len(store.keys())
-        if self.built and saved and saved not in (len(self.variables),
-                                                  self._unbuilt_variable_count):
+        # Keras only warns on a count mismatch and keeps the defaults: a resumed run would
+        # restart from the initial scale. No optimizer in the file: Keras's warning, state kept.
+        saved, counts = len(store.keys()), (len(self.variables), self._unbuilt_variable_count)
+        if self.built and saved and saved not in counts:
             own = ", ".join(v.path.split("/")[-1] for v in self._variables)
             raise ValueError(
                 f"Cannot load the optimizer state: the file holds {saved} optimizer "
