@@ -36,9 +36,8 @@ class AttachedState(keras.layers.Layer):
     """
 
     def load_own_variables(self, store):
-        if len(store.keys()) == 0 and self.variables:  # nothing of ours in the file
-            return
-        super().load_own_variables(store)
+        if len(store.keys()):  # else nothing of ours is in the file
+            super().load_own_variables(store)
 
 
 class PrecisionState(AttachedState):
