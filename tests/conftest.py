@@ -24,6 +24,7 @@ tf.config.set_logical_device_configuration(
 import keras  # noqa: E402
 
 import keras_mp  # noqa: E402,F401
+from keras_mp.adaptive import autofit, gain  # noqa: E402
 
 
 # Tests of the measured execution mode itself (tests/execution/); elsewhere the
@@ -61,6 +62,8 @@ def _clean_keras_state():
     keras.utils.set_random_seed(0)
     yield
     keras.mixed_precision.set_global_policy("float32")
+    # A test that makes fit adapt every model, however small, does not leak it.
+    autofit.set_min_saving(gain.START_UP_S)
 
 
 @pytest.fixture(autouse=True)
@@ -81,6 +84,15 @@ def _graph_unless_measuring(request, monkeypatch):
         monkeypatch.delenv("KERAS_MP_EXECUTION", raising=False)
     else:
         monkeypatch.setenv("KERAS_MP_EXECUTION", "graph")
+
+
+@pytest.fixture
+def adapt_every_fit():
+    """``fit`` adapts the test's small models as it adapts a fit large enough
+    to gain from 16 bits (``autofit.set_min_saving(0)``; the default, a
+    small fit trained in float32, is tested in tests/adaptive/test_gain.py and
+    by the lifecycle's ``no_gain`` case). Reset after the test."""
+    autofit.set_min_saving(0)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp.adaptive import (autofit, controller, float8, forward, hooks, loss_scales,
+from keras_mp.adaptive import (autofit, controller, float8, forward, gain, hooks, loss_scales,
                                optimizer_setup, state as precision_state, probe, report,
                                scale_rule, stats, step_functions, switching, tensorboard,
                                timeline)
@@ -37,7 +37,7 @@ from keras_mp.device import memory, xla
 from keras_mp.fused.fuse import fuse as fuse_model
 
 MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adaptive.controller",
-           "adaptive.float8", "adaptive.float8_policy", "adaptive.forward", "adaptive.hooks",
+           "adaptive.float8", "adaptive.gain", "adaptive.float8_policy", "adaptive.forward", "adaptive.hooks",
            "adaptive.loss_scales", "adaptive.optimizer_setup", "adaptive.policy",
            "adaptive.plot", "adaptive.probe", "adaptive.report", "adaptive.rule",
            "adaptive.saved_policy", "adaptive.scale_rule",
@@ -64,6 +64,10 @@ NO_ARGUMENTS = {
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
     "adaptive.state.AttachedState",  # a base: a Keras layer's own arguments, checked by Keras
     "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
+    "adaptive.autofit.min_saving",
+    # what fit was given, read as Keras reads it: None where it says nothing
+    "adaptive.gain.fit_steps",
+    "adaptive.gain.most_saved",  # numbers from step_work and the device profile
     "adaptive.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
     "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
@@ -120,6 +124,13 @@ CASES = [
     # autofit
     ("adaptive.autofit.set_enabled", lambda: autofit.set_enabled(1), TypeError, "`value`"),
     ("adaptive.autofit.callback_of", lambda: autofit.callback_of("model"), TypeError, "`model`"),
+    ("adaptive.autofit.set_min_saving", lambda: autofit.set_min_saving(-1.0), ValueError,
+     "`min_saving`"),
+    ("adaptive.gain.check_min_saving", lambda: gain.check_min_saving(float("nan")), ValueError,
+     "`min_saving`"),
+    ("adaptive.gain.step_work", lambda: gain.step_work("model", 8), TypeError, "`model`"),
+    ("adaptive.gain.pays_off", lambda: gain.pays_off(keras.Sequential(), "x"), TypeError,
+     "`fit_arguments`"),
     # forward
     ("adaptive.forward.dtype_max", lambda: forward.dtype_max("int8"), ValueError, "`dtype`"),
     ("adaptive.forward.dtype_tiny", lambda: forward.dtype_tiny("fp8"), ValueError, "`dtype`"),
@@ -390,6 +401,9 @@ CASES = [
     ("adaptive.switching.with_parents", lambda: switching.with_parents("p", [], [], []), TypeError,
      "`policy`"),
     ("adaptive.switching.apply", lambda: switching.apply("p", [], [], [], 0), TypeError, "`policy`"),
+    ("adaptive.switching.settle", lambda: switching.settle("p", [], [], 0), TypeError, "`policy`"),
+    ("adaptive.switching.release", lambda: switching.release("p", [], [], 0), TypeError,
+     "`policy`"),
     ("adaptive.switching.write_records", lambda: switching.write_records("p", [], [], None, []),
      TypeError, "`policy`"),
     ("adaptive.float8.Float8Recipe", lambda: float8.Float8Recipe(margin=-1), ValueError, "`margin`"),

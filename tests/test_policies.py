@@ -83,7 +83,7 @@ def test_layers_resolve_their_path_and_change_on_assign():
     assert p.assignments() == {}
 
 
-def test_train_function_retraced_with_the_new_dtype():
+def test_train_function_retraced_with_the_new_dtype(adapt_every_fit):
     policies.set_global_policy("adaptive_bfloat16")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse")

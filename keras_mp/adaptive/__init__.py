@@ -33,11 +33,22 @@ Example:
     ('float16', 'float32')
 """
 
-from keras_mp.adaptive.callback import AdaptivePrecision
+from keras_mp import _lazy
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.policy import AdaptivePolicy
-from keras_mp.adaptive.plot import plot_precision
-from keras_mp.adaptive.report import precision_report
+
+# Imported when first used (keras_mp._lazy), as any submodule.
+_LAZY = {"AdaptivePrecision": "keras_mp.adaptive.callback:AdaptivePrecision",
+         "plot_precision": "keras_mp.adaptive.plot:plot_precision",
+         "precision_report": "keras_mp.adaptive.report:precision_report"}
 
 __all__ = ["AdaptivePolicy", "AdaptivePrecision", "adaptive_layers", "plot_precision",
            "policy_of", "precision_report"]
+
+
+def __getattr__(name: str):
+    return _lazy.resolve(__name__, _LAZY, name, globals())
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -15,18 +15,30 @@ to configure it). Where other code replaced ``keras.Model.fit`` before
 otherwise a warning says once that fit will not adapt and what to pass by
 hand (see :func:`install`).
 
+A fit too small to gain from 16 bits gets no callback either: where the most
+its arithmetic could save is under :func:`min_saving` seconds
+(:mod:`keras_mp.adaptive.gain`), a model never adapted trains its layers in
+float32 (reason ``no_gain``), as Keras float32 does, without adaptation's
+start-up. :func:`set_min_saving` (0: adapt every fit) changes the bound.
+
 :func:`set_enabled` turns this off (and on again); with it off, an adaptive
 model trained without ``AdaptivePrecision`` keeps its precisions and a
 warning says so once.
 
 Example:
     >>> import keras, numpy as np, keras_mp
+    >>> from keras_mp.adaptive import autofit, gain
     >>> keras_mp.set_global_policy("adaptive_bfloat16")
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
     >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
-    >>> type(keras_mp.adaptive.autofit.callback_of(model)).__name__
-    'AdaptivePrecision'
+    >>> autofit.callback_of(model), model.layers[0].compute_dtype  # too small to gain
+    (None, 'float32')
+    >>> autofit.set_min_saving(0)  # adapt every fit
+    >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+    >>> type(autofit.callback_of(model)).__name__, model.layers[0].compute_dtype
+    ('AdaptivePrecision', 'bfloat16')
+    >>> autofit.set_min_saving(gain.START_UP_S)
     >>> keras_mp.set_global_policy("float32")
 """
 
@@ -39,13 +51,14 @@ import warnings
 import keras
 
 from keras_mp import _installed
-from keras_mp.adaptive.callback import AdaptivePrecision
+from keras_mp.adaptive import gain, switching
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
 
-__all__ = ["callback_of", "enabled", "install", "set_enabled"]
+__all__ = ["callback_of", "enabled", "install", "min_saving", "set_enabled", "set_min_saving"]
 
 _ATTR = "auto_callback"  # kept in the model's keras_mp._installed holder
-_state = {"enabled": True, "warned": False, "warned_by_hand": False, "keras_fit": None}
+_state = {"enabled": True, "warned": False, "warned_by_hand": False, "keras_fit": None,
+          "min_saving": gain.START_UP_S}
 
 
 def enabled() -> bool:
@@ -64,6 +77,22 @@ def set_enabled(value: bool) -> None:
     _state["enabled"] = value
 
 
+def min_saving() -> float:
+    """Seconds the most 16-bit could save in a fit must reach for ``fit`` to
+    adapt a model never adapted (:func:`keras_mp.adaptive.gain.pays_off`)."""
+    return _state["min_saving"]
+
+
+def set_min_saving(seconds: float) -> None:
+    """Sets :func:`min_saving`: 0 adapts every fit; the default is
+    :data:`keras_mp.adaptive.gain.START_UP_S`.
+
+    Args:
+        seconds: a finite number >= 0.
+    """
+    _state["min_saving"] = gain.check_min_saving(seconds)
+
+
 def callback_of(model: keras.Model):
     """The ``AdaptivePrecision`` that ``fit`` added to ``model``, or None."""
     if not isinstance(model, keras.Model):
@@ -72,14 +101,32 @@ def callback_of(model: keras.Model):
     return getattr(model.__dict__.get(_installed.INSTALLED_ATTR), _ATTR, None)
 
 
-def _with_adaptive(model: keras.Model, callbacks):
+def _settle(model: keras.Model, policy, layers, fit_arguments: dict) -> bool:
+    """Whether ``fit`` trains a model never adapted in float32, as too small
+    to gain from 16 bits (:func:`keras_mp.adaptive.gain.pays_off`); if so, its
+    layers are put there (reason ``no_gain``; ``AdaptivePrecision`` puts them
+    back when it adapts the model)."""
+    if policy.calls or callback_of(model) is not None or len(policy.candidates) == 1:
+        return False  # adapted before (its evidence and traces go on), or float32 alone
+    if gain.pays_off(model, fit_arguments, _state["min_saving"]):
+        return False
+    if switching.settle(policy, [layer.path for layer in layers], layers, policy.calls):
+        # Functions traced before in the old dtypes are traced again.
+        model.train_function = model.test_function = model.predict_function = None
+    return True
+
+
+def _with_adaptive(model: keras.Model, callbacks, fit_arguments: dict):
 
     given = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) \
         else list(callbacks or [])
+    from keras_mp.adaptive.callback import AdaptivePrecision  # imported when a fit needs it
+
     if any(isinstance(cb, AdaptivePrecision) for cb in given):
         return callbacks
     policy = policy_of(model)
-    if policy is None or not adaptive_layers(model, policy):
+    layers = adaptive_layers(model, policy) if policy is not None else []
+    if not layers:
         return callbacks  # nothing to adapt (every layer quantized, say): Keras's fit
     if not _state["enabled"]:
         if not _state["warned"]:
@@ -91,6 +138,8 @@ def _with_adaptive(model: keras.Model, callbacks):
                 "as they are. Pass callbacks=[keras_mp.callbacks.AdaptivePrecision()] to "
                 "adapt.", stacklevel=3)
         return callbacks
+    if _settle(model, policy, layers, fit_arguments):
+        return callbacks  # too small to gain from 16 bits: float32, Keras's fit
     cb = callback_of(model)
     if cb is None:
         cb = AdaptivePrecision(history_logs=False)  # History stays Keras's
@@ -148,7 +197,7 @@ def install() -> None:
             # Arguments Keras's fit would refuse: let whoever wrapped it say so.
             return keras_fit(self, *args, **kwargs)
         callbacks = bound.arguments.get("callbacks")
-        new = _with_adaptive(self, callbacks)
+        new = _with_adaptive(self, callbacks, bound.arguments)
         if new is not callbacks:
             bound.arguments["callbacks"] = new
         if "callbacks" in params:

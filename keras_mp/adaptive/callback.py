@@ -1,16 +1,16 @@
 """``AdaptivePrecision``: applies the adaptive policy's decisions during ``fit``.
 
-A model built under an adaptive global policy gets one automatically in
-``fit`` (see :mod:`keras_mp.adaptive.autofit`); pass one to configure it.
+``fit`` adds one to a model under an adaptive policy (:mod:`keras_mp.adaptive.autofit`).
 
 What the callback does, and when:
 
 * ``set_model`` (Keras calls it when ``fit`` starts, before the train
   function is built): finds the model's :class:`keras_mp.AdaptivePolicy` and
-  its controlled layers (:func:`keras_mp.adaptive_layers`: every
-  layer, with or without weights). With float32 as the only candidate there
-  is nothing to adapt, and it does nothing else: no wrapper, no hook, no
-  statistics. Otherwise it installs the model's :class:`keras_mp.adaptive.hooks.Hooks`
+  its controlled layers (:func:`keras_mp.adaptive_layers`: every layer, with
+  or without weights), those an earlier fit too small to gain put in float32
+  back in their narrowest dtype (:func:`~keras_mp.adaptive.switching.release`).
+  With float32 the only candidate it does nothing else (no wrapper, hook or
+  statistics). Otherwise it installs the model's :class:`keras_mp.adaptive.hooks.Hooks`
   (forward statistics, the probe), attaches a
   :class:`keras_mp.adaptive.stats.LayerStatistics`, and connects the gradients: when
   float16 is a candidate (or ``loss_scale`` is given) the optimizer is
@@ -186,11 +186,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._writer = None
         self._policy: AdaptivePolicy | None = None
         self._inert = False
-        self._calls = 0
-        self._epoch_switches = 0
+        self._calls = self._epoch_switches = 0
         self._restored = False
-        self._probe_fn = None
-        self._probe_step = None  # step_functions.probe_function, for fit and for probe()
+        self._probe_fn = self._probe_step = None  # the probe; its traced step, for fit, probe()
 
     # -- set-up ------------------------------------------------------------
 
@@ -211,6 +209,10 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._policy = policy
         self._layers = layers
         self._paths = tuple(layer.path for layer in layers)
+        made = switching.release(policy, self._paths, layers, policy.calls)  # a fit's no_gain
+        if made:
+            self.events += made
+            model.train_function = model.test_function = model.predict_function = None
         # Nothing to adapt: nothing runs (the step is plain Keras float32).
         self._inert = len(policy.candidates) == 1
         if self._inert:
@@ -330,14 +332,12 @@ class AdaptivePrecision(keras.callbacks.Callback):
         model = self.model
         if getattr(model, "train_function", None) is not None:
             model.make_train_function(force=True)
-        model.test_function = None
-        model.predict_function = None
+        model.test_function = model.predict_function = None
 
     def _gateable(self) -> bool:
-        """Whether plain and statistics steps can share one trace (statistics
-        under a switch, :mod:`keras_mp.adaptive.step_functions`): unless every
-        step records statistics, or a float8-capable layer's call (which
-        differs on statistics steps) is in the model."""
+        """Whether plain and statistics steps can share one trace (statistics under a switch,
+        :mod:`keras_mp.adaptive.step_functions`): unless every step records statistics, or a
+        float8-capable layer's call (it differs on statistics steps) is in the model."""
         return self.statistics_every > 1 and "float8" not in self._policy.candidates
 
     def _train_functions(self) -> tuple:

@@ -53,6 +53,7 @@ import contextlib
 import functools
 import re
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -254,10 +255,27 @@ def _adaptive_call(layer: keras.layers.Layer, policy: AdaptivePolicy, args, kwar
     return out
 
 
+_checked_paths: weakref.WeakSet = weakref.WeakSet()  # models whose paths were checked
+
+
+def _name_once(model: keras.Model) -> None:
+    """On a model's first call: a loaded model's weightless layers (``ReLU``)
+    have no path (Keras names a layer when it builds it), so they would look
+    up the policy's default, not the entry saved for them; they get theirs."""
+    if model in _checked_paths:
+        return
+    _checked_paths.add(model)
+    if any(layer.path is None and isinstance(layer._dtype_policy, AdaptivePolicy)
+           for layer in model._flatten_layers(include_self=False)):
+        _name_paths(model)
+
+
 def _layer_call(self, *args, **kwargs):
+    if isinstance(self, keras.Model):
+        _name_once(self)
+        return _keras["call"](self, *args, **kwargs)
     policy = getattr(self, "_dtype_policy", None)
-    if not isinstance(policy, AdaptivePolicy) or isinstance(
-            self, (keras.Model, keras.layers.InputLayer)):
+    if not isinstance(policy, AdaptivePolicy) or isinstance(self, keras.layers.InputLayer):
         return _keras["call"](self, *args, **kwargs)
     return _adaptive_call(self, policy, args, kwargs)
 

@@ -20,16 +20,20 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 
 from keras_mp.adaptive import controller
 from keras_mp.adaptive.policy import AdaptivePolicy
-from keras_mp.adaptive.stats import IntervalStats
+if TYPE_CHECKING:  # an annotation only: the statistics load when a fit adapts
+    from keras_mp.adaptive.stats import IntervalStats
 
 __all__ = ["refresh", "with_parents", "apply", "write_records", "layer_states",
-           "trial_dtypes"]
+           "trial_dtypes", "settle", "release", "NO_GAIN", "GAIN"]
+
+#: The reasons of :func:`settle` and :func:`release`.
+NO_GAIN, GAIN = "no_gain", "gain"
 
 #: A switch as the callback hands it on: (layer index, old dtype, new dtype, reason).
 Switch = tuple[int, str, str, str]
@@ -146,3 +150,26 @@ def write_records(policy: AdaptivePolicy, paths: Sequence[str],
                 and stats.grad_noise_ratio > rule.max_probe_noise_ratio}
     for position, i in enumerate(order):
         policy.record(paths[i])["position"] = position
+
+
+def settle(policy: AdaptivePolicy, paths: Sequence[str], layers: Sequence[keras.layers.Layer],
+           calls: int) -> list[dict[str, Any]]:
+    """Every layer not in float32 to float32, reason ``no_gain``: a fit whose
+    16-bit arithmetic could not repay adaptation (:mod:`keras_mp.adaptive.gain`)."""
+    _check_policy(policy)
+    return apply(policy, paths, layers, [(k, policy.dtype_of(p), "float32", NO_GAIN)
+                                         for k, p in enumerate(paths)
+                                         if policy.dtype_of(p) != "float32"], calls)
+
+
+def release(policy: AdaptivePolicy, paths: Sequence[str], layers: Sequence[keras.layers.Layer],
+            calls: int) -> list[dict[str, Any]]:
+    """Layers whose last switch was :func:`settle`'s back to their narrowest
+    candidate, reason ``gain``: they are adapted now, from where evidence starts."""
+    _check_policy(policy)
+    switches = []
+    for k, path in enumerate(paths):
+        history = policy.record(path).get("history") or [{}]
+        if history[-1].get("reason") == NO_GAIN:
+            switches.append((k, policy.dtype_of(path), policy.candidates_for(path)[0], GAIN))
+    return apply(policy, paths, layers, switches, calls)

@@ -13,7 +13,18 @@ Example:
     True
 """
 
-from keras_mp.deploy import export, quantization
+from keras_mp import _lazy
+from keras_mp.deploy import quantization
 from keras_mp.deploy.quantization import quantize
 
+_LAZY: dict[str, str] = {}  # export: imported when first used (keras_mp._lazy)
+
 __all__ = ["export", "quantization", "quantize"]
+
+
+def __getattr__(name: str):
+    return _lazy.resolve(__name__, _LAZY, name, globals())
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

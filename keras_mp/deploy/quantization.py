@@ -49,7 +49,7 @@ from typing import Any
 import keras
 from keras.src.dtype_policies import QUANTIZATION_MODES  # no public name
 
-from keras_mp.adaptive import float8
+from keras_mp.adaptive import float8, switching
 from keras_mp.adaptive.controlled_layers import policy_of
 from keras_mp.adaptive.policy import AdaptivePolicy
 
@@ -112,17 +112,20 @@ def _release_float8_first(original: Callable) -> Callable:
     # layer's quantize runs: a layer keras-mp trained in float8 becomes a
     # float layer first (float8.release), then Keras quantizes it.
     # The same wrapper checks a model's own compute dtype when model.quantize
-    # starts: under an AdaptivePolicy a model (a container) computing in
-    # float16 quantizes nothing itself; its layers are each checked in turn
-    # (keras_mp.quantize hands float16 ones a float32 entry first).
+    # starts, and each InputLayer's: under an AdaptivePolicy a model (a
+    # container) or an InputLayer in float16 quantizes nothing itself, and the
+    # layers that compute are each checked in turn (keras_mp.quantize hands
+    # float16 ones a float32 entry first; a fit too small to gain left them
+    # all in float32, its InputLayer in the policy's float16).
     @functools.wraps(original)
     def check(self, mode, compute_dtype):
         adaptive = isinstance(self.__dict__.get("_dtype_policy"), AdaptivePolicy)
         if (getattr(self, "_is_quantized", False) and float8.is_float8_layer(self)
                 and adaptive):
             float8.release(self)
-        if adaptive and compute_dtype == "float16" and \
-                any(True for _ in self._flatten_layers(include_self=False)):
+        if adaptive and compute_dtype == "float16" and (
+                isinstance(self, keras.layers.InputLayer)
+                or any(True for _ in self._flatten_layers(include_self=False))):
             compute_dtype = "float32"
         return original(self, mode, compute_dtype)
     setattr(check, _MARK, True)
@@ -196,6 +199,8 @@ def _promoted(record: dict[str, Any]) -> bool:
         return True
     for switch in record.get("history") or []:
         old, new = switch.get("old"), switch.get("new")
+        if switch.get("reason") == switching.NO_GAIN:
+            continue  # a fit too small to gain, not evidence against the layer
         if old in _WIDTH and new in _WIDTH and _WIDTH[new] > _WIDTH[old]:
             return True
     return False

@@ -354,7 +354,7 @@ def test_history_and_tensorboard_logging(tmp_path):
 
 
 
-def test_the_callback_fit_adds_leaves_history_as_keras_has_it():
+def test_the_callback_fit_adds_leaves_history_as_keras_has_it(adapt_every_fit):
     # A drop-in: Keras's own model_test.py compares History's keys exactly.
     keys = {}
     for policy in ("float32", "adaptive_bfloat16"):

@@ -52,7 +52,7 @@ def _ratio(delta, reference) -> float:
 
 
 @pytest.mark.parametrize("scale_loss", [True, False])
-def test_custom_train_step_updates_as_in_float32(float32_update, scale_loss):
+def test_custom_train_step_updates_as_in_float32(float32_update, scale_loss, adapt_every_fit):
     delta, optimizer, caught = _update("adaptive_float16", scale_loss)
     assert isinstance(optimizer, keras_mp.LossScaleOptimizer), type(optimizer)
     assert float(optimizer.loss_scale) > 1

@@ -458,7 +458,7 @@ def test_float32_only_runs_nothing():
     assert cb.events == []
 
 
-def test_the_global_policy_is_enough():
+def test_the_global_policy_is_enough(adapt_every_fit):
     model = _small("adaptive_float16")
     x, y = _xy(16)
     x[::8, 0] = 7e4  # beyond float16: the first layer's input overflows
@@ -527,7 +527,7 @@ def _fit_replaced_before_import(replacement):
         autofit._state.update(state)
 
 
-def test_fit_wrapped_before_import_still_adapts():
+def test_fit_wrapped_before_import_still_adapts(adapt_every_fit):
     """Issue 41, item 3: a wrapper without functools.wraps (signature
     ``(self, *args, **kwargs)``) used to switch adaptation off silently."""
     seen = []

@@ -271,7 +271,7 @@ class InTopTwo(keras.metrics.Metric):
         return self.hits
 
 
-def test_a_metric_of_ones_own_that_fails_names_the_model_and_the_fix():
+def test_a_metric_of_ones_own_that_fails_names_the_model_and_the_fix(adapt_every_fit):
     _policy("adaptive", "bfloat16")
     inputs = keras.Input((4,))
     model = keras.Model(inputs, layers.Dense(3)(layers.LayerNormalization()(inputs)),

@@ -82,7 +82,7 @@ _SHORT_FIT = textwrap.dedent("""
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="adam", loss="mse")
     x, y = np.random.rand(1000, 32), np.random.rand(1000, 1)
-    model.fit(x, y, epochs=3, verbose=0)
+    model.fit(x, y, epochs=3, verbose=0, callbacks=[keras_mp.callbacks.AdaptivePrecision()])
     print("short", reasons.short_fit(model) is not None, "chosen", keras_mp.execution.chosen(model),
           "xla started", sorted(xla._available), flush=True)
 """)

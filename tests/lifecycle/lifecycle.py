@@ -5,7 +5,7 @@ mode under test, in processes of that mode's own (TensorFlow never frees an
 XLA:CPU executable, and a mode's state must not leak into another's):
 
 ``python lifecycle.py train DIR POLICY...``
-    for each policy (``adaptive_bfloat16``, ...), in ``DIR/POLICY``: fits a
+    for each policy (``adaptive_bfloat16``, ..., and :data:`NO_GAIN`), in ``DIR/POLICY``: fits a
     3-layer Dense model with plain ``compile``/``fit`` (keras-mp adds its
     callback; enough train-function calls for ``auto`` to decide), then
     predict, ``.keras`` save, ``model.export``, ``keras_mp.deploy.export.export``
@@ -44,6 +44,11 @@ import numpy as np  # noqa: E402
 ROWS, BATCH, FEATURES = 128, 8, 8   # 16 train-function calls per epoch
 EPOCHS = 2   # 32 calls: auto's trial of 3 modes decides after 18
 POLICIES = ("adaptive_bfloat16", "adaptive_float16", "adaptive_float8")
+#: What a user gets for this model with the defaults: ``"adaptive_float16"``, and
+#: a fit too small to gain from 16 bits trains in float32 (keras_mp.adaptive.gain).
+#: The policies above adapt every fit (``autofit.set_min_saving(0)``), as a
+#: fit large enough to gain does.
+NO_GAIN = "no_gain"
 
 
 def data():
@@ -57,8 +62,10 @@ def build(policy: str):
     import keras
 
     import keras_mp
+    from keras_mp.adaptive import autofit, gain
 
-    keras_mp.set_global_policy(policy)
+    autofit.set_min_saving(gain.START_UP_S if policy == NO_GAIN else 0)
+    keras_mp.set_global_policy("adaptive_float16" if policy == NO_GAIN else policy)
     try:
         model = keras.Sequential([keras.Input((FEATURES,)),
                                   keras.layers.Dense(32, activation="relu"),
@@ -182,6 +189,7 @@ def train(policy: str, folder: str) -> None:
     chosen = steps("fit", fit)
     info = {"policy": policy, "mode": os.environ.get("KERAS_MP_EXECUTION"), "chosen": chosen,
             "optimizer": type(model.optimizer).__name__,
+            "dtypes": sorted({layer.compute_dtype for layer in model.layers}),
             "weights": sorted(v.path for v in model.weights)}
     with open(os.path.join(folder, "info.json"), "w") as f:
         json.dump(info, f)
@@ -240,7 +248,7 @@ def train(policy: str, folder: str) -> None:
         # int8_from_mixed_bfloat16), in float32 for float16 (keras_mp.quantize;
         # Keras refuses int8 on float16).
         reference = mp_export.float32_copy(model)
-        compute = "mixed_bfloat16" if policy != "adaptive_float16" else "float32"
+        compute = "float32" if policy in ("adaptive_float16", NO_GAIN) else "mixed_bfloat16"
         for layer in reference.layers:
             layer.dtype_policy = keras.DTypePolicy(compute)
         reference.quantize("int8")

@@ -20,6 +20,10 @@ import pytest
 import keras_mp
 from tests.conftest import tiny_regression_data
 
+# Under the adaptive policies the callback scales or observes the gradients:
+# these small fits are adapted as a fit large enough to gain is.
+pytestmark = pytest.mark.usefixtures("adapt_every_fit")
+
 FEATURES = {
     "accumulation": lambda: keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2),
     "ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_momentum=0.5,
