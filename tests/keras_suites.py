@@ -14,7 +14,15 @@ The pairs (:data:`PAIRS`), keras-mp's mode against its control:
 * ``adaptive_float16`` against Keras ``mixed_float16``;
 * ``mixed_float16`` with every optimizer the test modules make wrapped in
   ``keras_mp.LossScaleOptimizer`` against the same wrapped in Keras's
-  ``LossScaleOptimizer`` (``optimizers`` group).
+  ``LossScaleOptimizer`` (``optimizers`` group);
+* ``adaptive_float16`` as a user gets it against Keras ``mixed_float16``:
+  the test modules' fits are too small to gain from 16 bits, so ``fit``
+  trains their layers in float32 (:mod:`keras_mp.adaptive.gain`), and what
+  runs outside ``fit`` computes in float16, as under Keras's policy.
+
+In the first two pairs ``fit`` adapts every fit
+(``autofit.set_min_saving(0)``), as it adapts a fit large enough to gain: the
+comparison is of adaptation with Keras's mixed precision.
 
 In keras-mp's modes ``keras_mp.LossScaleOptimizer`` stands wherever Keras uses
 its own. CI runs :data:`CI_FILES` (``tests/test_keras_suites.py``); the full
@@ -49,6 +57,7 @@ class Mode:
     policy: str          # the global policy
     keras_mp: bool       # keras-mp's set-up (else Keras's own)
     wrap: bool = False   # every optimizer wrapped in the mode's loss-scale optimizer
+    every_fit: bool = True   # keras-mp adapts every fit (else: where it can gain)
 
 
 MODES = {
@@ -58,6 +67,7 @@ MODES = {
     "keras_mp_adaptive_float16": Mode("adaptive_float16", True),
     "keras_lso_wrapped": Mode("mixed_float16", False, wrap=True),
     "keras_mp_lso_wrapped": Mode("mixed_float16", True, wrap=True),
+    "keras_mp_adaptive_as_is": Mode("adaptive_float16", True, every_fit=False),
 }
 
 #: keras-mp's mode -> its control.
@@ -65,18 +75,20 @@ PAIRS = {
     "keras_mp_adaptive_bfloat16": "keras_mixed_bfloat16",
     "keras_mp_adaptive_float16": "keras_mixed_float16",
     "keras_mp_lso_wrapped": "keras_lso_wrapped",
+    "keras_mp_adaptive_as_is": "keras_mixed_float16",
 }
+_ADAPTIVE = ("keras_mp_adaptive_bfloat16", "keras_mp_adaptive_float16", "keras_mp_adaptive_as_is")
 
 #: Group -> Keras test files (globs under keras/src), and the pairs it runs.
 GROUPS = {
-    "dtype_policies": (["dtype_policies/*_test.py"], tuple(PAIRS)[:2]),
+    "dtype_policies": (["dtype_policies/*_test.py"], _ADAPTIVE),
     "optimizers": (["optimizers/*_test.py", "optimizers/schedules/*_test.py"], tuple(PAIRS)),
-    "models": (["models/*_test.py"], tuple(PAIRS)[:2]),
-    "saving": (["saving/*_test.py"], tuple(PAIRS)[:2]),
-    "trainers": (["trainers/*_test.py"], tuple(PAIRS)[:2]),
+    "models": (["models/*_test.py"], _ADAPTIVE),
+    "saving": (["saving/*_test.py"], _ADAPTIVE),
+    "trainers": (["trainers/*_test.py"], _ADAPTIVE),
     "layers": (["layers/core/*_test.py", "layers/normalization/*_test.py",
                 "layers/activations/*_test.py", "layers/merging/*_test.py",
-                "layers/attention/*_test.py"], tuple(PAIRS)[:2]),
+                "layers/attention/*_test.py"], _ADAPTIVE),
 }
 
 #: What CI runs (tests/test_keras_suites.py): Keras's base-optimizer tests
@@ -184,6 +196,7 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="every group (default: CI's)")
     parser.add_argument("--groups", help="comma-separated groups of GROUPS")
     parser.add_argument("--json", help="write every outcome to this file")
+    parser.add_argument("--pairs", help="comma-separated keras-mp modes of PAIRS (default: all)")
     args = parser.parse_args(argv)
     if args.groups:
         unknown = set(args.groups.split(",")) - set(GROUPS)
@@ -192,6 +205,13 @@ def main(argv=None) -> int:
         groups = {g: GROUPS[g] for g in args.groups.split(",")}
     else:
         groups = GROUPS if args.full else {"ci": (CI_FILES, CI_PAIRS)}
+    if args.pairs:
+        chosen = args.pairs.split(",")
+        if set(chosen) - set(PAIRS):
+            parser.error(f"--pairs: unknown {sorted(set(chosen) - set(PAIRS))}; choose from "
+                         f"{sorted(PAIRS)}")
+        groups = {g: (paths, tuple(p for p in pairs if p in chosen))
+                  for g, (paths, pairs) in groups.items()}
     results = compare(groups, None if args.full or args.groups else CI_SELECT)
     if args.json:
         with open(args.json, "w") as f:

@@ -27,6 +27,7 @@ import keras  # noqa: E402
 from keras.src.testing import test_case  # noqa: E402
 
 import keras_mp  # noqa: E402
+from keras_mp.adaptive import autofit, gain  # noqa: E402
 from tests import keras_suites  # noqa: E402
 
 _MODE = keras_suites.MODES[os.environ["KERAS_MP_SUITE_MODE"]]
@@ -40,6 +41,7 @@ def _lso_class():
 
 def _set_policy() -> None:
     if _MODE.keras_mp and _MODE.policy.startswith("adaptive"):
+        autofit.set_min_saving(0 if _MODE.every_fit else gain.START_UP_S)
         keras_mp.set_global_policy(_MODE.policy)
     else:
         keras.config.set_dtype_policy(_MODE.policy)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 
 import keras
@@ -120,9 +121,9 @@ def _with_adaptive(model: keras.Model, callbacks, fit_arguments: dict):
 
     given = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) \
         else list(callbacks or [])
-    from keras_mp.adaptive.callback import AdaptivePrecision  # imported when a fit needs it
-
-    if any(isinstance(cb, AdaptivePrecision) for cb in given):
+    # Imported when a fit needs it: no AdaptivePrecision exists before its module is.
+    module = sys.modules.get("keras_mp.adaptive.callback")
+    if module is not None and any(isinstance(cb, module.AdaptivePrecision) for cb in given):
         return callbacks
     policy = policy_of(model)
     layers = adaptive_layers(model, policy) if policy is not None else []
@@ -142,6 +143,8 @@ def _with_adaptive(model: keras.Model, callbacks, fit_arguments: dict):
         return callbacks  # too small to gain from 16 bits: float32, Keras's fit
     cb = callback_of(model)
     if cb is None:
+        from keras_mp.adaptive.callback import AdaptivePrecision
+
         cb = AdaptivePrecision(history_logs=False)  # History stays Keras's
         setattr(_installed.installed(model), _ATTR, cb)  # nothing Keras should track or save
     if isinstance(callbacks, keras.callbacks.CallbackList):

@@ -24,7 +24,9 @@ sequences (the layer's output positions). It is known where every layer with
 weights was called on a Keras symbolic input of known shape (functional and
 ``Sequential`` models); elsewhere (subclassed models, layers called inside
 other layers, unknown sequence lengths, data of unknown size) nothing is
-known, and the fit adapts.
+known, and the fit adapts. Elementwise work is not counted: a model of few
+weights on large activations (where 16 bits would halve the memory traffic)
+is judged by its weight products alone.
 
 Example:
     >>> import keras, keras_mp
@@ -45,7 +47,6 @@ import math
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 __all__ = ["START_UP_S", "check_min_saving", "fit_steps", "most_saved", "pays_off", "step_work"]
@@ -116,19 +117,18 @@ def fit_steps(x: Any, batch_size: int | None, epochs: int = 1, steps_per_epoch: 
     if not isinstance(epochs, int) or not isinstance(initial_epoch, int):
         return None
     epochs = max(0, epochs - initial_epoch)
-    first = _first_leaf(x) if not isinstance(x, tf.data.Dataset) else None
     if isinstance(x, tf.data.Dataset):
-        spec = _first_leaf(x.element_spec)
-        batch = getattr(spec, "shape", None)
-        batch = batch[0] if batch is not None and batch.rank else None
+        shape = getattr(_first_leaf(x.element_spec), "shape", None)
+        batch = shape[0] if shape is not None and shape.rank else None
         size = int(x.cardinality())
         per_epoch = steps_per_epoch or (size if size >= 0 else None)
-    elif isinstance(first, (np.ndarray, tf.Tensor)) or hasattr(first, "__array__") and \
-            getattr(first, "shape", None) is not None and len(first.shape):
-        batch = batch_size or _KERAS_BATCH
-        per_epoch = steps_per_epoch or -(-int(first.shape[0]) // batch)
     else:
-        return None
+        first = _first_leaf(x)
+        rows = getattr(first, "shape", None) if hasattr(first, "__array__") else None
+        if not rows or rows[0] is None:
+            return None  # a generator, a PyDataset, a scalar
+        batch = batch_size or _KERAS_BATCH
+        per_epoch = steps_per_epoch or -(-int(rows[0]) // batch)
     if not batch or not per_epoch:
         return None
     return int(batch), int(per_epoch) * epochs
