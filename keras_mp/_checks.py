@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fraction", "positive", "count", "object_or_config"]
+__all__ = ["fraction", "positive", "non_negative", "count", "object_or_config"]
 
 
 def _is_number(value: Any) -> bool:
@@ -33,6 +33,13 @@ def positive(name: str, value: Any) -> float:
     """``value`` as a float, if it is a finite number > 0."""
     if not _is_number(value) or not 0 < value < 1e30:
         raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.")
+    return float(value)
+
+
+def non_negative(name: str, value: Any) -> float:
+    """``value`` as a float, if it is a finite number >= 0."""
+    if not _is_number(value) or not 0 <= value < 1e30:
+        raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
     return float(value)
 
 

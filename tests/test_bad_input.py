@@ -67,7 +67,6 @@ NO_ARGUMENTS = {
     "adaptive.autofit.min_saving",
     # what fit was given, read as Keras reads it: None where it says nothing
     "adaptive.gain.fit_steps",
-    "adaptive.gain.most_saved",  # numbers from step_work and the device profile
     "adaptive.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
     "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
@@ -126,8 +125,8 @@ CASES = [
     ("adaptive.autofit.callback_of", lambda: autofit.callback_of("model"), TypeError, "`model`"),
     ("adaptive.autofit.set_min_saving", lambda: autofit.set_min_saving(-1.0), ValueError,
      "`min_saving`"),
-    ("adaptive.gain.check_min_saving", lambda: gain.check_min_saving(float("nan")), ValueError,
-     "`min_saving`"),
+    ("adaptive.gain.most_saved", lambda: gain.most_saved(1.0, -1, 100.0), ValueError,
+     "`steps`"),
     ("adaptive.gain.step_work", lambda: gain.step_work("model", 8), TypeError, "`model`"),
     ("adaptive.gain.pays_off", lambda: gain.pays_off(keras.Sequential(), "x"), TypeError,
      "`fit_arguments`"),

@@ -51,6 +51,7 @@ import warnings
 
 import keras
 
+from keras_mp import _checks as checks
 from keras_mp import _installed
 from keras_mp.adaptive import gain, switching
 from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
@@ -91,7 +92,7 @@ def set_min_saving(seconds: float) -> None:
     Args:
         seconds: a finite number >= 0.
     """
-    _state["min_saving"] = gain.check_min_saving(seconds)
+    _state["min_saving"] = checks.non_negative("min_saving", seconds)
 
 
 def callback_of(model: keras.Model):

@@ -49,7 +49,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["START_UP_S", "check_min_saving", "fit_steps", "most_saved", "pays_off", "step_work"]
+from keras_mp import _checks as checks
+
+__all__ = ["START_UP_S", "fit_steps", "most_saved", "pays_off", "step_work"]
 
 #: The least adaptation's start-up was measured to cost (module docstring), in seconds.
 START_UP_S = 0.5
@@ -82,8 +84,7 @@ def step_work(model: keras.Model, batch_size: int) -> float | None:
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be an int >= 1, got {batch_size!r}.")
+    checks.count("batch_size", batch_size, 1)
     if not model.built or not model.weights:
         return None
     uses = 0
@@ -136,8 +137,10 @@ def fit_steps(x: Any, batch_size: int | None, epochs: int = 1, steps_per_epoch: 
 
 def most_saved(work: float, steps: int, float32_gflops: float) -> float:
     """Seconds a narrower dtype could save at most: all of the float32
-    arithmetic time of ``steps`` steps of ``work`` FLOPs each."""
-    if float32_gflops <= 0:
+    arithmetic time of ``steps`` steps of ``work`` FLOPs each (inf where
+    nothing was measured: ``float32_gflops`` 0)."""
+    work, steps = checks.non_negative("work", work), checks.count("steps", steps, 0)
+    if checks.non_negative("float32_gflops", float32_gflops) == 0:
         return math.inf
     return steps * work / (float32_gflops * 1e9)
 
@@ -158,8 +161,7 @@ def pays_off(model: keras.Model, fit_arguments: dict[str, Any],
 
     if not isinstance(fit_arguments, dict):
         raise TypeError(f"`fit_arguments` must be a dict, got {type(fit_arguments).__name__}.")
-    check_min_saving(min_saving)
-    if min_saving == 0:
+    if checks.non_negative("min_saving", min_saving) == 0:
         return True
     size = fit_steps(fit_arguments.get("x"), fit_arguments.get("batch_size"),
                      fit_arguments.get("epochs", 1), fit_arguments.get("steps_per_epoch"),
@@ -172,10 +174,3 @@ def pays_off(model: keras.Model, fit_arguments: dict[str, Any],
     gflops = device.profile().throughput.get("float32", 0.0)
     return most_saved(work, size[1], gflops) >= min_saving
 
-
-def check_min_saving(value: Any) -> float:
-    """``value`` as seconds, or a ValueError naming ``min_saving``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
-            or math.isinf(value):
-        raise ValueError(f"`min_saving` must be a finite number of seconds >= 0, got {value!r}.")
-    return float(value)

@@ -74,6 +74,10 @@ def test_most_saved_and_the_threshold_reject_what_is_not_seconds():
     assert autofit.min_saving() == gain.START_UP_S  # unchanged by the refusals
     with pytest.raises(TypeError, match="`fit_arguments` must be a dict"):
         gain.pays_off(_dense(), [])
+    with pytest.raises(ValueError, match="`min_saving` must be a finite number"):
+        gain.pays_off(_dense(), {}, min_saving=float("nan"))
+    with pytest.raises(ValueError, match="`float32_gflops` must be a finite number"):
+        gain.most_saved(1.0, 1, float32_gflops=-1.0)
 
 
 def test_a_fit_too_small_to_gain_trains_as_keras_float32_does(tmp_path):
@@ -97,10 +101,12 @@ def test_a_fit_too_small_to_gain_trains_as_keras_float32_does(tmp_path):
     path = str(tmp_path / "m.keras")
     model.save(path)
     policies.set_global_policy("float32")
-    loaded = keras.models.load_model(path)
     want = model.predict(x, verbose=0)
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), want)  # the ReLU too
-    assert {layer.compute_dtype for layer in loaded.layers} == {"float32"}
+    for global_policy in ("mixed_float16", "adaptive_bfloat16", "float32"):  # whatever it is
+        policies.set_global_policy(global_policy)
+        loaded = keras.models.load_model(path)
+        np.testing.assert_array_equal(loaded.predict(x, verbose=0), want)  # the ReLU too
+        assert {layer.compute_dtype for layer in loaded.layers} == {"float32"}
     assert keras_mp.adaptive.policy_of(loaded).record(loaded.layers[0].path)["history"][-1][
         "reason"] == "no_gain"
     model.export(str(tmp_path / "exported"), verbose=False)
