@@ -50,6 +50,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp import _checks as checks
+from keras_mp import device
 
 __all__ = ["START_UP_S", "fit_steps", "most_saved", "pays_off", "step_work"]
 
@@ -157,8 +158,6 @@ def pays_off(model: keras.Model, fit_arguments: dict[str, Any],
             ``epochs``, ``steps_per_epoch``, ``initial_epoch``).
         min_saving: seconds, a number >= 0 (0: every fit pays off).
     """
-    from keras_mp import device
-
     if not isinstance(fit_arguments, dict):
         raise TypeError(f"`fit_arguments` must be a dict, got {type(fit_arguments).__name__}.")
     if checks.non_negative("min_saving", min_saving) == 0:
