@@ -25,6 +25,28 @@ import keras  # noqa: E402
 
 import keras_mp  # noqa: E402,F401
 from keras_mp.adaptive import autofit, gain  # noqa: E402
+from keras_mp.device import _cpuinfo  # noqa: E402
+
+
+def _cpu_seen_by_the_tests():
+    """``KERAS_MP_TEST_CPU_FLAGS="avx2"``: keras_mp.device reads these CPU flags
+    in the test process, not the real CPU's (CI's CPU changes between runs;
+    ``avx2`` alone is a CPU without 16-bit units, where ``"adaptive"`` is
+    float32). Matmuls are still measured; subprocesses see the real CPU."""
+    flags = os.environ.get("KERAS_MP_TEST_CPU_FLAGS")
+    if flags is None:
+        return
+    import tempfile
+
+    model = _cpuinfo.fields().get("model name", "")
+    path = os.path.join(tempfile.mkdtemp(prefix="keras_mp_cpuinfo"), "cpuinfo")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"processor\t: 0\nmodel name\t: {model}\n"
+                f"flags\t\t: {' '.join(flags.replace(',', ' ').split())}\n")
+    _cpuinfo.PATH = path
+
+
+_cpu_seen_by_the_tests()
 
 
 # Tests of the measured execution mode itself (tests/execution/); elsewhere the

@@ -20,13 +20,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    from keras_mp.device import _cpuinfo
+
+    name = _cpuinfo.fields().get("model name")
+    if name:
+        return name
     import platform
 
     return platform.processor() or platform.machine()

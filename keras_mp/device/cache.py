@@ -41,6 +41,8 @@ import tempfile
 import threading
 from typing import Any
 
+from keras_mp.device import _cpuinfo
+
 __all__ = ["ENV_VAR", "FILE", "directory", "device_key", "get", "put"]
 
 #: The environment variable naming the cache's directory (``off`` disables it).
@@ -101,16 +103,10 @@ def device_key(device_type: str | None = None) -> str:
 
 def _cpu_lines() -> list[str]:
     """The CPU's model name and flags (``/proc/cpuinfo``'s first ones)."""
-    found: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for ln in f:
-                name = ln.split(":", 1)[0].strip()
-                if name in ("model name", "flags") and name not in found:
-                    found[name] = ln.split(":", 1)[1].strip()
-    except OSError:
+    found = _cpuinfo.fields()
+    if not found:
         import platform
-        found["model name"] = platform.processor()
+        return [platform.processor(), ""]
     return [found.get("model name", ""), found.get("flags", "")]
 
 

@@ -43,6 +43,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
+from keras_mp.device import _cpuinfo
 from keras_mp.device import cache as disk
 from keras_mp.device import xla
 
@@ -100,17 +101,8 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     if cpuinfo is not None and not isinstance(cpuinfo, str):
         raise TypeError(f"`cpuinfo` must be the text of /proc/cpuinfo or None, got "
                         f"{cpuinfo!r} of type {type(cpuinfo).__name__}.")
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return frozenset()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86, ARM
-            return frozenset(value.split())
-    return frozenset()
+    found = _cpuinfo.fields(cpuinfo)
+    return frozenset(found.get("flags", found.get("Features", "")).split())  # x86, ARM
 
 
 def _hardware(device_type: str, flags: Iterable[str]) -> dict[str, bool]:

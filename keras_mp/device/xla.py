@@ -55,6 +55,8 @@ from typing import Literal, TypeVar
 
 import tensorflow as tf
 
+from keras_mp.device import _cpuinfo
+
 __all__ = ["Kind", "set_xla", "forced", "uses_xla", "disabled", "jit", "xla_available",
            "record_available", "cpu_has_bf16_matmul", "set_measured_default", "fuses_epilogue",
            "set_measured_epilogue", "memory_maps"]
@@ -139,15 +141,10 @@ def cpu_has_bf16_matmul() -> bool:
     answer is True, which keeps matmuls with TensorFlow's libraries, the
     choice that is never far off there.
     """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return any(flag in flags for flag in _BF16_MATMUL_FLAGS)
-    except OSError:
-        pass
-    return True
+    flags = _cpuinfo.fields().get("flags")
+    if flags is None:
+        return True
+    return any(flag in flags.split() for flag in _BF16_MATMUL_FLAGS)
 
 
 def set_measured_default(kind: Kind, device_type: str, enabled: bool) -> None:

@@ -16,6 +16,36 @@ def test_cpu_flags_parses_x86_and_arm_and_missing():
         capabilities.cpu_flags(3)
 
 
+def test_cpuinfo_is_read_in_one_place(monkeypatch, tmp_path):
+    """What keras-mp knows of the CPU (capabilities' flags, XLA's matmul placement,
+    the cache key, keras-mp info) is keras_mp.device._cpuinfo's reading."""
+    from keras_mp.cli import command
+    from keras_mp.device import _cpuinfo, cache, xla
+
+    path = tmp_path / "cpuinfo"
+    path.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+                    "processor\t: 1\nmodel name\t: Other\nflags\t\t: fpu\n")
+    monkeypatch.setattr(_cpuinfo, "PATH", str(path))
+    xla.cpu_has_bf16_matmul.cache_clear()
+    try:
+        assert _cpuinfo.fields()["model name"] == "Some CPU"
+        assert capabilities.cpu_flags() == {"fpu", "avx2", "avx512_bf16"}
+        assert xla.cpu_has_bf16_matmul() is True
+        assert cache._cpu_lines() == ["Some CPU", "fpu avx2 avx512_bf16"]
+        assert command._cpu_name() == "Some CPU"
+        path.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
+        xla.cpu_has_bf16_matmul.cache_clear()
+        assert xla.cpu_has_bf16_matmul() is False
+        monkeypatch.setattr(_cpuinfo, "PATH", str(tmp_path / "missing"))  # not Linux
+        xla.cpu_has_bf16_matmul.cache_clear()
+        assert _cpuinfo.fields() == {} and capabilities.cpu_flags() == frozenset()
+        assert xla.cpu_has_bf16_matmul() is True  # TensorFlow's matmuls, never far off
+        assert command._cpu_name()  # the platform's name
+    finally:
+        monkeypatch.undo()
+        xla.cpu_has_bf16_matmul.cache_clear()
+
+
 def test_judge_needs_hardware_and_a_measurement_that_agrees():
     fast = {"float32": 1.0, "bfloat16": 3.0, "float16": 2.0}
     assert capabilities._judge({"bfloat16": True, "float16": True}, fast) == ("bfloat16", "float16")

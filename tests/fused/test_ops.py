@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from keras_mp.fused import ops as kops
+from keras_mp import device
 from keras_mp.device import xla
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -510,8 +511,7 @@ def test_cpu_matmul_placement_follows_bf16_hardware(monkeypatch):
     # Without a measured placement (an earlier test may have configured a
     # model, which measures one), the default follows the hardware.
     monkeypatch.setattr(xla, "_measured", {})
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        flags = next(line for line in f if line.startswith("flags")).split()
+    flags = device.cpu_flags()
     has = "amx_bf16" in flags or "avx512_bf16" in flags
     assert xla.cpu_has_bf16_matmul() is has
     assert xla.uses_xla("matmul", "CPU") is (not has)
