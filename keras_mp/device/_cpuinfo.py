@@ -7,8 +7,8 @@ comes from here. The tests point :data:`PATH` at another CPU's flags
 runs, and what ``"adaptive"`` means changes with it.
 
 Example:
-    >>> fields("processor : 0\\nmodel name : Xeon\\nflags : avx2\\n\\nprocessor : 1\\n")["flags"]
-    'avx2'
+    >>> fields("processor : 0\\nflags : avx2\\n\\nprocessor : 1\\nflags : fpu\\n")
+    {'processor': '0', 'flags': 'avx2'}
 """
 
 from __future__ import annotations
@@ -32,4 +32,6 @@ def fields(text: str | None = None) -> dict[str, str]:
         key, sep, value = line.partition(":")
         if sep:
             found.setdefault(key.strip(), value.strip())
+        elif found and not line.strip():
+            break  # the first processor's block ends (the file repeats it per core)
     return found
