@@ -182,7 +182,7 @@ def _window(make, policy, x, y, batch, data, interval, first):
     """One window of the first ``interval`` calls of a fit from scratch, as
     ``fit`` runs them, with ``first_decision=first`` (traced before timing)."""
     from keras_mp import callbacks
-    from keras_mp.adaptive import step_functions
+    from keras_mp.adaptive.integration import step_functions
 
     model = make(policy)
     cb = callbacks.AdaptivePrecision(interval=interval, first_decision=first)

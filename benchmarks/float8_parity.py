@@ -133,7 +133,7 @@ def run_variant(variant: str, seed: int, options: dict) -> dict:
         out["float8_layers"] = [n for n, d in out["dtypes"].items() if d == "float8"]
         cb = next((c for c in callbacks), None)
         if cb is None:
-            from keras_mp import autofit
+            from keras_mp.adaptive.fit import autofit
             cb = autofit.callback_of(model)
         out["switches"] = [(e["step"], e["layer"].split("/")[-1], e["old"], e["new"],
                             e["reason"]) for e in cb.events]

@@ -23,7 +23,7 @@ Two scenarios (issue 39, item 4):
   ``"adaptive_float16"`` against Keras ``mixed_float16``, in a fresh process
   per variant and round. The keras-io run (4 epochs of 23k images) is large
   enough for adaptation to pay off; this shrunk one (30 warm-up steps) is not
-  (:mod:`keras_mp.adaptive.gain` would train it in float32), so keras_mp
+  (:mod:`keras_mp.adaptive.decisions.gain` would train it in float32), so keras_mp
   adapts every fit here (``autofit.set_min_saving(0)``), as it would adapt
   the user's.
 
@@ -125,7 +125,7 @@ def _sepconv(variant: str, steps: int = 10) -> dict[str, float]:
 
     _set_policy(variant)
     if not variant.startswith("keras_"):
-        from keras_mp.adaptive import autofit
+        from keras_mp.adaptive.fit import autofit
 
         autofit.set_min_saving(0)  # as the full-size fit, which can gain (module docstring)
     model = sepconv_model()

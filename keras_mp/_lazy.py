@@ -4,14 +4,14 @@
 line runs (the policies, the classes Keras's loader looks up by their
 registered names, the hooks installed into Keras) and leaves the rest (the
 callback, the statistics, the execution choice, export, the report) until
-they are used: a fit too small to gain (:mod:`keras_mp.adaptive.gain`) never
+they are used: a fit too small to gain (:mod:`keras_mp.adaptive.decisions.gain`) never
 needs them. Measured on a 2-core Intel Xeon with AMX-BF16 (fresh processes,
 after TensorFlow and Keras): ``import keras_mp`` took 0.13 s with every module
 imported (76 of them), 0.08 s so (51).
 
 Example:
     >>> import keras_mp
-    >>> keras_mp.precision_report is keras_mp.adaptive.report.precision_report
+    >>> keras_mp.precision_report is keras_mp.adaptive.outputs.report.precision_report
     True
 """
 

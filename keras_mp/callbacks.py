@@ -1,7 +1,7 @@
 """keras-mp's callbacks, where a Keras user looks for them (``keras.callbacks``).
 
 :class:`AdaptivePrecision` applies the adaptive policy's decisions during
-``fit``; it lives in :mod:`keras_mp.adaptive.callback`.
+``fit``; it lives in :mod:`keras_mp.adaptive.fit.callback`.
 
 Example:
     >>> from keras_mp.callbacks import AdaptivePrecision
@@ -9,6 +9,6 @@ Example:
     50
 """
 
-from keras_mp.adaptive.callback import AdaptivePrecision
+from keras_mp.adaptive.fit.callback import AdaptivePrecision
 
 __all__ = ["AdaptivePrecision"]

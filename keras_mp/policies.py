@@ -1,6 +1,6 @@
 """The global-policy functions, which accept the adaptive policies
-(:class:`keras_mp.AdaptivePolicy`, defined in :mod:`keras_mp.adaptive.policy`),
-and, re-exported from :mod:`keras_mp.adaptive.controlled_layers`, the
+(:class:`keras_mp.AdaptivePolicy`, defined in :mod:`keras_mp.adaptive.policy.adaptive_policy`),
+and, re-exported from :mod:`keras_mp.adaptive.policy.controlled_layers`, the
 policy of a model and the layers it controls.
 
 Example:
@@ -22,8 +22,8 @@ from typing import Any
 import keras
 from keras.dtype_policies import DTypePolicy
 
-from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
-from keras_mp.adaptive.policy import AdaptivePolicy
+from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
 
 __all__ = ["ADAPTIVE_NAMES", "AdaptivePolicy", "set_global_policy", "global_policy",
            "policy_scope", "get", "policy_of", "adaptive_layers"]

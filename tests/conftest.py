@@ -24,7 +24,8 @@ tf.config.set_logical_device_configuration(
 import keras  # noqa: E402
 
 import keras_mp  # noqa: E402,F401
-from keras_mp.adaptive import autofit, gain  # noqa: E402
+from keras_mp.adaptive.fit import autofit  # noqa: E402
+from keras_mp.adaptive.decisions import gain  # noqa: E402
 from keras_mp.device import _cpuinfo  # noqa: E402
 
 

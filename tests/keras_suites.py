@@ -17,7 +17,7 @@ The pairs (:data:`PAIRS`), keras-mp's mode against its control:
   ``LossScaleOptimizer`` (``optimizers`` group);
 * ``adaptive_float16`` as a user gets it against Keras ``mixed_float16``:
   the test modules' fits are too small to gain from 16 bits, so ``fit``
-  trains their layers in float32 (:mod:`keras_mp.adaptive.gain`), and what
+  trains their layers in float32 (:mod:`keras_mp.adaptive.decisions.gain`), and what
   runs outside ``fit`` computes in float16, as under Keras's policy.
 
 In the first two pairs ``fit`` adapts every fit

@@ -27,7 +27,8 @@ import keras  # noqa: E402
 from keras.src.testing import test_case  # noqa: E402
 
 import keras_mp  # noqa: E402
-from keras_mp.adaptive import autofit, gain  # noqa: E402
+from keras_mp.adaptive.fit import autofit  # noqa: E402
+from keras_mp.adaptive.decisions import gain  # noqa: E402
 from tests import keras_suites  # noqa: E402
 
 _MODE = keras_suites.MODES[os.environ["KERAS_MP_SUITE_MODE"]]

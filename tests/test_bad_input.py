@@ -20,10 +20,12 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp.adaptive import (autofit, controller, float8, forward, gain, hooks, loss_scales,
-                               optimizer_setup, state as precision_state, probe, report,
-                               scale_rule, stats, step_functions, switching, tensorboard,
-                               timeline)
+from keras_mp.adaptive.integration import loss_scales, optimizer_setup, step_functions, switching
+from keras_mp.adaptive.fit import autofit
+from keras_mp.adaptive.decisions import controller, gain, scale_rule
+from keras_mp.adaptive.evidence import float8, forward, hooks, probe, stats
+from keras_mp.adaptive.record import state as precision_state, timeline
+from keras_mp.adaptive.outputs import report, tensorboard
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
@@ -36,23 +38,23 @@ from keras_mp.scaling import kernels, layer_scales, loss_scale, optimizer
 from keras_mp.device import memory, xla
 from keras_mp.fused.fuse import fuse as fuse_model
 
-MODULES = ["adaptive", "adaptive.autofit", "adaptive.controlled_layers", "adaptive.controller",
-           "adaptive.float8", "adaptive.gain", "adaptive.float8_policy", "adaptive.forward", "adaptive.hooks",
-           "adaptive.loss_scales", "adaptive.optimizer_setup", "adaptive.policy",
-           "adaptive.plot", "adaptive.probe", "adaptive.report", "adaptive.rule",
-           "adaptive.saved_policy", "adaptive.scale_rule",
-           "adaptive.state", "adaptive.stats", "adaptive.step_functions", "adaptive.switching",
-           "adaptive.tensorboard", "adaptive.timeline", "callbacks", "cli", "cli.command", "cli.demo",
-           "cli.deploy_demo", "datasets", "deploy", "deploy.export", "deploy.quantization",
-           "device", "device.capabilities", "device.memory", "device.xla", "distribute",
-           "execution",
-           "execution.fused_update", "execution.native_update", "execution.optimizer_state",
-           "execution.reasons",
-           "execution.step_trial", "fused",
-           "fused.fuse", "fused.layers",
-           "fused.losses", "fused.metrics", "fused.shared_matches",
-           "fused.ops", "policies", "scaling", "scaling.kernels", "scaling.layer_scales",
-           "scaling.loss_scale", "scaling.optimizer", "tuning"]
+MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain",
+           "adaptive.decisions.rule", "adaptive.decisions.scale_rule", "adaptive.evidence.float8",
+           "adaptive.evidence.forward", "adaptive.evidence.hooks", "adaptive.evidence.probe",
+           "adaptive.evidence.stats", "adaptive.fit.autofit", "adaptive.integration.loss_scales",
+           "adaptive.integration.optimizer_setup", "adaptive.integration.step_functions",
+           "adaptive.integration.switching", "adaptive.outputs.plot", "adaptive.outputs.report",
+           "adaptive.outputs.tensorboard", "adaptive.policy.adaptive_policy",
+           "adaptive.policy.controlled_layers", "adaptive.policy.float8_policy",
+           "adaptive.policy.saved_policy", "adaptive.record.state", "adaptive.record.timeline",
+           "callbacks", "cli", "cli.command", "cli.demo", "cli.deploy_demo", "config", "datasets",
+           "deploy", "deploy.export", "deploy.quantization", "device", "device.capabilities",
+           "device.memory", "device.xla", "distribute", "execution", "execution.fused_update",
+           "execution.native_update", "execution.optimizer_state", "execution.reasons",
+           "execution.step_trial", "fused", "fused.fuse", "fused.layers", "fused.losses",
+           "fused.metrics", "fused.ops", "fused.shared_matches", "policies", "scaling",
+           "scaling.kernels", "scaling.layer_scales", "scaling.loss_scale", "scaling.optimizer",
+           "tuning"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -62,16 +64,16 @@ NO_ARGUMENTS = {
     "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "device.xla.disabled", "execution.reasons.maps", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
-    "adaptive.state.AttachedState",  # a base: a Keras layer's own arguments, checked by Keras
-    "adaptive.autofit.enabled", "adaptive.autofit.install", "adaptive.float8.install",
-    "adaptive.autofit.min_saving",
+    "adaptive.record.state.AttachedState",  # a base: a Keras layer's own arguments, checked by Keras
+    "adaptive.fit.autofit.enabled", "adaptive.fit.autofit.install", "adaptive.evidence.float8.install",
+    "adaptive.fit.autofit.min_saving", "config.autofit_enabled", "config.min_saving",
     # what fit was given, read as Keras reads it: None where it says nothing
-    "adaptive.gain.fit_steps",
-    "adaptive.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
-    "adaptive.forward.floating_tensors",  # takes any structure; keeps its floating tensors
+    "adaptive.decisions.gain.fit_steps",
+    "adaptive.policy.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
+    "adaptive.evidence.forward.floating_tensors",  # takes any structure; keeps its floating tensors
     "scaling.layer_scales.cast_source",  # takes any value: the cast's source, or the value
     "deploy.quantization.patch_quantize", "deploy.quantization.unpatch_quantize",
-    "adaptive.policy.patch_default_names",
+    "adaptive.policy.adaptive_policy.patch_default_names",
     "device.memory.process_rss", "device.memory.process_peak_rss", "device.memory.step_device",
     "device.memory.release_free_heap", "device.memory.after_trace", "execution.step_trial.untimed",
     "fused.layers.fused_activation",  # a lookup: None for anything without a fused kernel
@@ -80,11 +82,11 @@ NO_ARGUMENTS = {
 }
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
-    "adaptive.rule.Switch", "adaptive.rule.Decision", "adaptive.rule.LayerStats",
+    "adaptive.decisions.rule.Switch", "adaptive.decisions.rule.Decision", "adaptive.decisions.rule.LayerStats",
     "datasets.Loaded", "cli.demo.DemoResult", "cli.demo.DemoRun", "device.capabilities.DeviceProfile",
-    "scaling.kernels.GradientStatistics", "adaptive.probe.ProbeResult",
-    "adaptive.report.PrecisionReport", "adaptive.stats.IntervalStats", "device.xla.Kind",
-    "execution.ExecutionProfile", "execution.step_trial.Record", "adaptive.timeline.Timeline",
+    "scaling.kernels.GradientStatistics", "adaptive.evidence.probe.ProbeResult",
+    "adaptive.outputs.report.PrecisionReport", "adaptive.evidence.stats.IntervalStats", "device.xla.Kind",
+    "execution.ExecutionProfile", "execution.step_trial.Record", "adaptive.record.timeline.Timeline",
 }
 
 SGD = keras.optimizers.SGD
@@ -121,70 +123,79 @@ CASES = [
     ("callbacks.AdaptivePrecision", lambda: callbacks.AdaptivePrecision(first_decision=0),
      ValueError, "`first_decision`"),
     # autofit
-    ("adaptive.autofit.set_enabled", lambda: autofit.set_enabled(1), TypeError, "`value`"),
-    ("adaptive.autofit.callback_of", lambda: autofit.callback_of("model"), TypeError, "`model`"),
-    ("adaptive.autofit.set_min_saving", lambda: autofit.set_min_saving(-1.0), ValueError,
-     "`min_saving`"),
-    ("adaptive.gain.most_saved", lambda: gain.most_saved(1.0, -1, 100.0), ValueError,
+    ("adaptive.fit.autofit.set_enabled", lambda: autofit.set_enabled(1), TypeError, "`enabled`"),
+    ("config.set_autofit", lambda: keras_mp.config.set_autofit("yes"), TypeError, "`enabled`"),
+    ("config.set_min_saving", lambda: keras_mp.config.set_min_saving(-1), ValueError,
+     "`seconds`"),
+    ("config.set_xla", lambda: keras_mp.config.set_xla("conv", True), ValueError, "`kind`"),
+    ("config.uses_xla", lambda: keras_mp.config.uses_xla("conv"), ValueError, "`kind`"),
+    ("config.set_execution", lambda: keras_mp.config.set_execution("model"), TypeError,
+     "`model`"),
+    ("config.set_execution", lambda: keras_mp.config.set_execution(_model(), "jit"), ValueError,
+     "`mode`"),
+    ("adaptive.fit.autofit.callback_of", lambda: autofit.callback_of("model"), TypeError, "`model`"),
+    ("adaptive.fit.autofit.set_min_saving", lambda: autofit.set_min_saving(-1.0), ValueError,
+     "`seconds`"),
+    ("adaptive.decisions.gain.most_saved", lambda: gain.most_saved(1.0, -1, 100.0), ValueError,
      "`steps`"),
-    ("adaptive.gain.step_work", lambda: gain.step_work("model", 8), TypeError, "`model`"),
-    ("adaptive.gain.pays_off", lambda: gain.pays_off(keras.Sequential(), "x"), TypeError,
+    ("adaptive.decisions.gain.step_work", lambda: gain.step_work("model", 8), TypeError, "`model`"),
+    ("adaptive.decisions.gain.pays_off", lambda: gain.pays_off(keras.Sequential(), "x"), TypeError,
      "`fit_arguments`"),
     # forward
-    ("adaptive.forward.dtype_max", lambda: forward.dtype_max("int8"), ValueError, "`dtype`"),
-    ("adaptive.forward.dtype_tiny", lambda: forward.dtype_tiny("fp8"), ValueError, "`dtype`"),
-    ("adaptive.forward.call_statistics", lambda: forward.call_statistics([], [], "int8"),
+    ("adaptive.evidence.forward.dtype_max", lambda: forward.dtype_max("int8"), ValueError, "`dtype`"),
+    ("adaptive.evidence.forward.dtype_tiny", lambda: forward.dtype_tiny("fp8"), ValueError, "`dtype`"),
+    ("adaptive.evidence.forward.call_statistics", lambda: forward.call_statistics([], [], "int8"),
      ValueError, "`dtype`"),
-    ("adaptive.forward.finish", lambda: forward.finish(tf.zeros([2, 3]), ["float16"]),
+    ("adaptive.evidence.forward.finish", lambda: forward.finish(tf.zeros([2, 3]), ["float16"]),
      ValueError, "`raw` must have shape"),
-    ("adaptive.forward.finish", lambda: forward.finish(tf.zeros([1, 3]), ["int8"]),
+    ("adaptive.evidence.forward.finish", lambda: forward.finish(tf.zeros([1, 3]), ["int8"]),
      ValueError, "`dtype`"),
-    ("adaptive.forward.layer_statistics", lambda: forward.layer_statistics([], [], "int32"), ValueError,
+    ("adaptive.evidence.forward.layer_statistics", lambda: forward.layer_statistics([], [], "int32"), ValueError,
      "`dtype`"),
     # hooks
-    ("adaptive.hooks.Hooks", lambda: hooks.Hooks("model", []), TypeError, "`model`"),
-    ("adaptive.hooks.Hooks", lambda: hooks.Hooks(_model(), ["dense"]), TypeError, "`layers`"),
+    ("adaptive.evidence.hooks.Hooks", lambda: hooks.Hooks("model", []), TypeError, "`model`"),
+    ("adaptive.evidence.hooks.Hooks", lambda: hooks.Hooks(_model(), ["dense"]), TypeError, "`layers`"),
     # precision_state
-    ("adaptive.state.PrecisionState", lambda: precision_state.PrecisionState("dense"),
+    ("adaptive.record.state.PrecisionState", lambda: precision_state.PrecisionState("dense"),
      TypeError, "`paths`"),
     # probe
-    ("adaptive.probe.probe", lambda: probe.probe(_model(), (x2, x2), "float32", []), TypeError,
+    ("adaptive.evidence.probe.probe", lambda: probe.probe(_model(), (x2, x2), "float32", []), TypeError,
      "`policy`"),
-    ("adaptive.probe.probe", lambda: probe.probe("model", (x2, x2), None, []), TypeError, "`model`"),
+    ("adaptive.evidence.probe.probe", lambda: probe.probe("model", (x2, x2), None, []), TypeError, "`model`"),
     # cli
     ("cli.command.main", lambda: importlib.import_module("keras_mp.cli").main(["--no-such-flag"]),
      SystemExit, None),
     # controller
-    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(max_nonfinite=1.5), ValueError,
+    ("adaptive.decisions.rule.DecisionRule", lambda: controller.DecisionRule(max_nonfinite=1.5), ValueError,
      "`max_nonfinite`"),
-    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(patience=0), ValueError,
+    ("adaptive.decisions.rule.DecisionRule", lambda: controller.DecisionRule(patience=0), ValueError,
      "`patience`"),
-    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(cooldown="2"), ValueError,
+    ("adaptive.decisions.rule.DecisionRule", lambda: controller.DecisionRule(cooldown="2"), ValueError,
      "`cooldown`"),
-    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(hysteresis=0), ValueError,
+    ("adaptive.decisions.rule.DecisionRule", lambda: controller.DecisionRule(hysteresis=0), ValueError,
      "`hysteresis`"),
-    ("adaptive.rule.LayerState", lambda: controller.LayerState("int8"), ValueError, "`dtype`"),
-    ("adaptive.controller.decide", lambda: controller.decide(
+    ("adaptive.decisions.rule.LayerState", lambda: controller.LayerState("int8"), ValueError, "`dtype`"),
+    ("adaptive.decisions.controller.decide", lambda: controller.decide(
         [controller.LayerStats()], [], ("float16", "float32")), ValueError, "`states`"),
-    ("adaptive.controller.decide", lambda: controller.decide(
+    ("adaptive.decisions.controller.decide", lambda: controller.decide(
         [], [], ("float16", "int8")), ValueError, "`candidates`"),
-    ("adaptive.controller.decide", lambda: controller.decide(
+    ("adaptive.decisions.controller.decide", lambda: controller.decide(
         [], [], ("float32",), all_nonfinite=2.0), ValueError, "`all_nonfinite`"),
-    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(max_probe_loss_error=0),
+    ("adaptive.decisions.rule.DecisionRule", lambda: controller.DecisionRule(max_probe_loss_error=0),
      ValueError, "`max_probe_loss_error`"),
-    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(max_near_max=2), ValueError,
+    ("adaptive.decisions.rule.DecisionRule", lambda: controller.DecisionRule(max_near_max=2), ValueError,
      "`max_near_max`"),
-    ("adaptive.rule.LayerState", lambda: controller.LayerState("float32", trial=-1), ValueError,
+    ("adaptive.decisions.rule.LayerState", lambda: controller.LayerState("float32", trial=-1), ValueError,
      "`trial`"),
-    ("adaptive.controller.decide", lambda: controller.decide(
+    ("adaptive.decisions.controller.decide", lambda: controller.decide(
         [], [], ("float32",), probe_steps=-1), ValueError, "`probe_steps`"),
-    ("adaptive.controller.decide", lambda: controller.decide(
+    ("adaptive.decisions.controller.decide", lambda: controller.decide(
         [], [], ("float32",), probe_loss_error=float("nan")), ValueError, "`probe_loss_error`"),
-    ("adaptive.rule.sort_candidates", lambda: controller.sort_candidates("float16"), ValueError,
+    ("adaptive.decisions.rule.sort_candidates", lambda: controller.sort_candidates("float16"), ValueError,
      "`candidates`"),
-    ("adaptive.rule.sort_candidates", lambda: controller.sort_candidates(["float16", "int8"]),
+    ("adaptive.decisions.rule.sort_candidates", lambda: controller.sort_candidates(["float16", "int8"]),
      ValueError, "`candidates`"),
-    ("adaptive.rule.sort_candidates", lambda: controller.sort_candidates([]), ValueError,
+    ("adaptive.decisions.rule.sort_candidates", lambda: controller.sort_candidates([]), ValueError,
      "`candidates`"),
     # datasets
     ("datasets.load_digits", lambda: datasets.load_digits(test_fraction=1.5), ValueError,
@@ -337,38 +348,38 @@ CASES = [
         tf.ones([3]), tf.zeros([3]), [0, 1]), ValueError, "`factors`"),
     ("scaling.layer_scales.backoff", lambda: layer_scales.backoff(
         tf.ones([2]), tf.zeros([2]), [0, -2]), ValueError, "`groups`"),
-    ("adaptive.scale_rule.Scales", lambda: scale_rule.Scales(
+    ("adaptive.decisions.scale_rule.Scales", lambda: scale_rule.Scales(
         [controller.LayerStats()], [controller.LayerState("float16")], controller.DecisionRule(),
         layer_scales=[1.0]), ValueError, "`layer_scales`"),
-    ("adaptive.scale_rule.Scales", lambda: scale_rule.Scales(
+    ("adaptive.decisions.scale_rule.Scales", lambda: scale_rule.Scales(
         [controller.LayerStats()], [controller.LayerState("float16")], controller.DecisionRule(),
         loss_scale=1.0, layer_scales=[1.0], layer_groups=[-3]), ValueError, "`layer_groups`"),
-    ("adaptive.scale_rule.Scales", lambda: scale_rule.Scales(
+    ("adaptive.decisions.scale_rule.Scales", lambda: scale_rule.Scales(
         [controller.LayerStats()], [], controller.DecisionRule()), ValueError, "`stats`"),
-    ("adaptive.loss_scales.top_level", lambda: loss_scales.top_level(["dense"]), TypeError,
+    ("adaptive.integration.loss_scales.top_level", lambda: loss_scales.top_level(["dense"]), TypeError,
      "`layers`"),
-    ("adaptive.loss_scales.LossScales", lambda: loss_scales.LossScales(
+    ("adaptive.integration.loss_scales.LossScales", lambda: loss_scales.LossScales(
         SGD(), _model().layers, per_layer=True), ValueError, "layer_scales=True"),
-    ("adaptive.loss_scales.LossScales", lambda: loss_scales.LossScales(
+    ("adaptive.integration.loss_scales.LossScales", lambda: loss_scales.LossScales(
         SGD(), _model().layers, per_layer="yes"), ValueError, "`per_layer`"),
-    ("adaptive.switching.layer_states", lambda: switching.layer_states("policy", ["dense"]),
+    ("adaptive.integration.switching.layer_states", lambda: switching.layer_states("policy", ["dense"]),
      TypeError, "`policy`"),
-    ("adaptive.switching.trial_dtypes", lambda: switching.trial_dtypes(None, [], []),
+    ("adaptive.integration.switching.trial_dtypes", lambda: switching.trial_dtypes(None, [], []),
      TypeError, "`policy`"),
-    ("adaptive.controller.decide", lambda: controller.decide(
+    ("adaptive.decisions.controller.decide", lambda: controller.decide(
         [controller.LayerStats()], [controller.LayerState("float16")], ("float16", "float32"),
         loss_scale=-1.0), ValueError, "`loss_scale`"),
-    ("adaptive.rule.LayerState", lambda: controller.LayerState("float16", suspect=99),
+    ("adaptive.decisions.rule.LayerState", lambda: controller.LayerState("float16", suspect=99),
      ValueError, "`suspect`"),
-    ("adaptive.rule.DecisionRule", lambda: controller.DecisionRule(scale_headroom=0.5),
+    ("adaptive.decisions.rule.DecisionRule", lambda: controller.DecisionRule(scale_headroom=0.5),
      ValueError, "`scale_headroom`"),
     ("scaling.loss_scale.DynamicLossScale", lambda: loss_scale.DynamicLossScale(
         recovery_interval=0), ValueError, "`recovery_interval`"),
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("bfloat16", "float32"), layer_loss_scales=True), ValueError, "`layer_loss_scales`"),
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("float16", "float32"), layer_loss_scales=1), ValueError, "`layer_loss_scales`"),
-    ("adaptive.tensorboard.write_interval", lambda: tensorboard.write_interval(
+    ("adaptive.outputs.tensorboard.write_interval", lambda: tensorboard.write_interval(
         None, 0, None, ["a"], stats.IntervalStats(1, 0.0, 1.0, ("a",),
                                                   (controller.LayerStats(),)), 0,
         loss_scales=[1.0, 2.0]), ValueError, "`loss_scales`"),
@@ -377,56 +388,56 @@ CASES = [
     ("scaling.optimizer.LossScaleOptimizer", lambda: optimizer.LossScaleOptimizer(
         SGD(), schedule="sometimes"), ValueError, "`schedule`"),
     # policies
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(calls=-1), ValueError,
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(calls=-1), ValueError,
      "`calls`"),
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float16", "int8")),
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("float16", "int8")),
      ValueError, "`candidates`"),
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(rule=3),
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(rule=3),
      TypeError, "`rule`"),
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(name=3),
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(name=3),
      TypeError, "`name`"),
     # float16 candidates with an int8 entry: incompatible
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("float16", "float32"), assignments={"dense": "int8"}), ValueError, "`dtype`"),
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("adaptive.float8",)), ValueError,
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(("adaptive.evidence.float8",)), ValueError,
      "`candidates`"),
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8_recipe=3), TypeError,
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8_recipe=3), TypeError,
      "`float8_recipe`"),
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8=3),
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(float8=3),
      TypeError, "`float8`"),
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
-        ("bfloat16", "float32")).assign("dense", "adaptive.float8"), ValueError, "`dtype`"),
-    ("adaptive.switching.refresh", lambda: switching.refresh("dense"), TypeError, "`layer`"),
-    ("adaptive.switching.with_parents", lambda: switching.with_parents("p", [], [], []), TypeError,
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+        ("bfloat16", "float32")).assign("dense", "adaptive.evidence.float8"), ValueError, "`dtype`"),
+    ("adaptive.integration.switching.refresh", lambda: switching.refresh("dense"), TypeError, "`layer`"),
+    ("adaptive.integration.switching.with_parents", lambda: switching.with_parents("p", [], [], []), TypeError,
      "`policy`"),
-    ("adaptive.switching.apply", lambda: switching.apply("p", [], [], [], 0), TypeError, "`policy`"),
-    ("adaptive.switching.settle", lambda: switching.settle("p", [], [], 0), TypeError, "`policy`"),
-    ("adaptive.switching.release", lambda: switching.release("p", [], [], 0), TypeError,
+    ("adaptive.integration.switching.apply", lambda: switching.apply("p", [], [], [], 0), TypeError, "`policy`"),
+    ("adaptive.integration.switching.settle", lambda: switching.settle("p", [], [], 0), TypeError, "`policy`"),
+    ("adaptive.integration.switching.release", lambda: switching.release("p", [], [], 0), TypeError,
      "`policy`"),
-    ("adaptive.switching.write_records", lambda: switching.write_records("p", [], [], None, []),
+    ("adaptive.integration.switching.write_records", lambda: switching.write_records("p", [], [], None, []),
      TypeError, "`policy`"),
-    ("adaptive.float8.Float8Recipe", lambda: float8.Float8Recipe(margin=-1), ValueError, "`margin`"),
-    ("adaptive.float8.Float8Recipe", lambda: float8.Float8Recipe(amax_history_length=0), ValueError,
+    ("adaptive.evidence.float8.Float8Recipe", lambda: float8.Float8Recipe(margin=-1), ValueError, "`margin`"),
+    ("adaptive.evidence.float8.Float8Recipe", lambda: float8.Float8Recipe(amax_history_length=0), ValueError,
      "`amax_history_length`"),
-    ("adaptive.float8.Float8Recipe", lambda: float8.Float8Recipe(amax_compute_algo="min"), ValueError,
+    ("adaptive.evidence.float8.Float8Recipe", lambda: float8.Float8Recipe(amax_compute_algo="min"), ValueError,
      "`amax_compute_algo`"),
-    ("adaptive.float8.Float8Policy", lambda: float8.Float8Policy(source_name="int8"), ValueError,
+    ("adaptive.evidence.float8.Float8Policy", lambda: float8.Float8Policy(source_name="int8"), ValueError,
      "`source_name`"),
-    ("adaptive.float8.Float8Policy", lambda: float8.Float8Policy(source_name="float32", active="yes"),
+    ("adaptive.evidence.float8.Float8Policy", lambda: float8.Float8Policy(source_name="float32", active="yes"),
      TypeError, "`active`"),
-    ("adaptive.float8.eligible", lambda: float8.eligible("dense"), TypeError, "`layer`"),
-    ("adaptive.float8.is_float8_layer", lambda: float8.is_float8_layer(3), TypeError, "`layer`"),
-    ("adaptive.float8.prepare", lambda: float8.prepare(_model()), ValueError, "`model`"),
-    ("adaptive.float8.release", lambda: float8.release(_model().layers[0]), ValueError, "`layer`"),
-    ("adaptive.float8.prepare", lambda: float8.prepare("model"), TypeError, "`model`"),
-    ("adaptive.stats.learned_variables", lambda: stats.learned_variables("dense"), TypeError, "`layer`"),
-    ("adaptive.optimizer_setup.scale_floor", lambda: optimizer_setup.scale_floor(2.0), TypeError,
+    ("adaptive.evidence.float8.eligible", lambda: float8.eligible("dense"), TypeError, "`layer`"),
+    ("adaptive.evidence.float8.is_float8_layer", lambda: float8.is_float8_layer(3), TypeError, "`layer`"),
+    ("adaptive.evidence.float8.prepare", lambda: float8.prepare(_model()), ValueError, "`model`"),
+    ("adaptive.evidence.float8.release", lambda: float8.release(_model().layers[0]), ValueError, "`layer`"),
+    ("adaptive.evidence.float8.prepare", lambda: float8.prepare("model"), TypeError, "`model`"),
+    ("adaptive.evidence.stats.learned_variables", lambda: stats.learned_variables("dense"), TypeError, "`layer`"),
+    ("adaptive.integration.optimizer_setup.scale_floor", lambda: optimizer_setup.scale_floor(2.0), TypeError,
      "`schedule`"),
-    ("adaptive.optimizer_setup.replace_optimizer", lambda: optimizer_setup.replace_optimizer(
+    ("adaptive.integration.optimizer_setup.replace_optimizer", lambda: optimizer_setup.replace_optimizer(
         "model", SGD), TypeError, "`model`"),
-    ("adaptive.optimizer_setup.rebuild_for_new_variables",
+    ("adaptive.integration.optimizer_setup.rebuild_for_new_variables",
      lambda: optimizer_setup.rebuild_for_new_variables("model"), TypeError, "`model`"),
-    ("adaptive.tensorboard.write_interval", lambda: tensorboard.write_interval(
+    ("adaptive.outputs.tensorboard.write_interval", lambda: tensorboard.write_interval(
         None, 0, policies.AdaptivePolicy(("bfloat16", "float32")), (), {}, 0), TypeError,
      "`interval`"),
     ("policies.get", lambda: policies.get("adaptive_int8"), ValueError, "`policy`"),
@@ -439,33 +450,33 @@ CASES = [
      TypeError, "`policy`"),
     # the picture of a run, and its record
     ("adaptive.plot_precision", lambda: keras_mp.plot_precision("model"), TypeError, "`model`"),
-    ("adaptive.plot.plot_precision", lambda: keras_mp.plot_precision(_model(), dpi=5),
+    ("adaptive.outputs.plot.plot_precision", lambda: keras_mp.plot_precision(_model(), dpi=5),
      ValueError, "`dpi`"),
-    ("adaptive.timeline.of", lambda: timeline.of("model"), TypeError, "`model`"),
-    ("adaptive.timeline.record", lambda: timeline.record(_model(), -1, None, (), None),
+    ("adaptive.record.timeline.of", lambda: timeline.of("model"), TypeError, "`model`"),
+    ("adaptive.record.timeline.record", lambda: timeline.record(_model(), -1, None, (), None),
      ValueError, "`step`"),
-    ("adaptive.timeline.finish", lambda: timeline.finish(_model(), 1.5), ValueError, "`step`"),
+    ("adaptive.record.timeline.finish", lambda: timeline.finish(_model(), 1.5), ValueError, "`step`"),
     # report
-    ("adaptive.report.precision_report", lambda: report.precision_report("model"), TypeError,
+    ("adaptive.outputs.report.precision_report", lambda: report.precision_report("model"), TypeError,
      "`model`"),
     # stats
-    ("adaptive.stats.LayerStatistics", lambda: stats.LayerStatistics([]), ValueError, "`layers`"),
-    ("adaptive.step_functions.probe_function", lambda: step_functions.probe_function(
+    ("adaptive.evidence.stats.LayerStatistics", lambda: stats.LayerStatistics([]), ValueError, "`layers`"),
+    ("adaptive.integration.step_functions.probe_function", lambda: step_functions.probe_function(
         "model", len, len), TypeError, "`model`"),
-    ("adaptive.step_functions.probe_function", lambda: step_functions.probe_function(
+    ("adaptive.integration.step_functions.probe_function", lambda: step_functions.probe_function(
         _model(), "run", len), TypeError, "`run`"),
-    ("adaptive.step_functions.probe_function", lambda: step_functions.probe_function(
+    ("adaptive.integration.step_functions.probe_function", lambda: step_functions.probe_function(
         _model(), len, None), TypeError, "`accumulate`"),
-    ("adaptive.step_functions.StepFunctions", lambda: step_functions.StepFunctions(
+    ("adaptive.integration.step_functions.StepFunctions", lambda: step_functions.StepFunctions(
         _model(), None, "hooks", len, probe=None, gateable=True), TypeError, "`hooks`"),
-    ("adaptive.step_functions.StepFunctions", lambda: step_functions.StepFunctions(
+    ("adaptive.integration.step_functions.StepFunctions", lambda: step_functions.StepFunctions(
         _model(), None, hooks.Hooks(_model(), []), len, probe="probe", gateable=True),
      TypeError, "`probe`"),
-    ("adaptive.stats.LayerStatistics", lambda: stats.LayerStatistics(["dense"]), TypeError, "`layers`"),
-    ("adaptive.stats.LayerStatistics", lambda: stats.LayerStatistics(
+    ("adaptive.evidence.stats.LayerStatistics", lambda: stats.LayerStatistics(["dense"]), TypeError, "`layers`"),
+    ("adaptive.evidence.stats.LayerStatistics", lambda: stats.LayerStatistics(
         _model().layers, scale_floor=-1.0), ValueError, "`scale_floor`"),
-    ("adaptive.stats.variable_path", lambda: stats.variable_path(3), TypeError, "`variable`"),
-    ("adaptive.stats.agree", lambda: stats.agree([(tf.ones([2]), "median")]), ValueError, "`how`"),
+    ("adaptive.evidence.stats.variable_path", lambda: stats.variable_path(3), TypeError, "`variable`"),
+    ("adaptive.evidence.stats.agree", lambda: stats.agree([(tf.ones([2]), "median")]), ValueError, "`how`"),
     # tuning
     ("tuning.loss_scale_schedule", lambda: tuning.loss_scale_schedule(None), TypeError, "`hp`"),
     ("tuning.objective", lambda: tuning.objective("fastest"), ValueError, "`name`"),
@@ -498,7 +509,7 @@ CASES = [
      "`compute_dtype`"),
     ("deploy.export.export", lambda: export.export(_model(), "/tmp/x.onnx", "onnx", opset=99),
      ValueError, "`opset`"),
-    ("adaptive.policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(policies=3), TypeError,
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(policies=3), TypeError,
      "`policies`"),
     ("cli.deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(0), ValueError, "`n`"),
     ("cli.deploy_demo.sentinel_data", lambda: deploy_demo.sentinel_data(4, fraction=2), ValueError,
@@ -520,7 +531,7 @@ CASES = [
     ("device.memory.footprint", lambda: memory.footprint(0), TypeError, "`device`"),
     ("device.memory.released_after_first_call", lambda: memory.released_after_first_call(3),
      TypeError, "`fn`"),
-    ("adaptive.probe.after", lambda: probe.after((x2,), ["tensor"]), TypeError, "`deps`"),
+    ("adaptive.evidence.probe.after", lambda: probe.after((x2,), ["tensor"]), TypeError, "`deps`"),
     ("execution.step_trial.StepTrial",
      lambda: step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 1.05, print,
                                   memory_cost=["xla"]), ValueError, "`memory_cost`"),

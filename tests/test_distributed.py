@@ -14,7 +14,7 @@ import keras_mp
 from keras_mp import DynamicLossScale, LossScaleOptimizer, distribute, policies
 from keras_mp.scaling import loss_scale
 from keras_mp.callbacks import AdaptivePrecision
-from keras_mp.adaptive.report import precision_report
+from keras_mp.adaptive.outputs.report import precision_report
 from tests.faults import local_values, two_replica_mirrored_strategy
 
 

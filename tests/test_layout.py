@@ -1,6 +1,7 @@
 """The package's shape (docs/architecture.md): subpackages by concept, imports
-that only run down the floors, no import circle, no module past ~500 lines,
-and the public names of earlier releases still where users found them.
+that only run down the floors (the package's, and inside ``keras_mp.adaptive``
+its subpackages'), no import circle, no module past ~500 lines, and the
+public face: ``keras_mp.__all__`` and ``dir(keras_mp)`` exactly the pinned list.
 
 The import graph is read from the source (every ``import`` statement,
 function-level ones included), so a late import cannot hide a circle.
@@ -27,8 +28,20 @@ FLOORS: list[set[str]] = [
     {"scaling", "fused"},
     {"execution"},
     {"adaptive"},
-    {"policies", "callbacks", "deploy"},
+    {"policies", "callbacks", "config", "deploy"},
     {"cli", "tuning", "benchmarks"},
+    {"_keras_changes"},   # installs every change to Keras: above all it installs
+]
+#: Floors inside ``keras_mp.adaptive`` (its own ``__init__`` is above them all).
+ADAPTIVE_FLOORS: list[set[str]] = [
+    {"decisions"},
+    {"policy"},
+    {"record"},
+    {"evidence"},
+    {"storage"},
+    {"integration"},
+    {"outputs"},
+    {"fit"},
 ]
 MAX_LINES = 500
 
@@ -74,13 +87,21 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
 
 
-def _floor(name: str) -> int:
+def _floor(name: str) -> tuple[int, int]:
+    """(floor, floor inside ``keras_mp.adaptive``): compared as a pair."""
     if name == "keras_mp":
-        return len(FLOORS)
-    top = name.split(".")[1]
+        return (len(FLOORS), 0)
+    parts = name.split(".")
     for i, floor in enumerate(FLOORS):
-        if top in floor:
-            return i
+        if parts[1] in floor:
+            if parts[1] != "adaptive":
+                return (i, 0)
+            if len(parts) == 2:
+                return (i, len(ADAPTIVE_FLOORS))
+            for j, inner in enumerate(ADAPTIVE_FLOORS):
+                if parts[2] in inner:
+                    return (i, j)
+            raise AssertionError(f"{name}: not on any floor of ADAPTIVE_FLOORS; place it there")
     raise AssertionError(f"{name}: not on any floor of FLOORS; place it there")
 
 
@@ -149,34 +170,53 @@ def test_every_package_is_installed():
     assert packages <= listed, f"packages missing from pyproject.toml: {sorted(packages - listed)}"
 
 
-# Names of keras_mp.__all__ before the package was split into subpackages
-# (0.1.0): each still resolves, the modules to the module now holding them.
-EARLIER_ALL = {
-    "AdaptivePolicy": None, "DynamicLossScale": None, "FixedLossScale": None,
-    "LossScaleOptimizer": None, "LossScaleSchedule": None, "PiecewiseInterval": None,
-    "autofit": "keras_mp.adaptive.autofit", "callbacks": "keras_mp.callbacks",
-    "controller": "keras_mp.adaptive.controller", "device": "keras_mp.device",
-    "distribute": "keras_mp.distribute", "execution": "keras_mp.execution",
-    "export": "keras_mp.deploy.export", "forward": "keras_mp.adaptive.forward", "fuse": None,
-    "fused_update": "keras_mp.execution.fused_update", "global_policy": None,
-    "hooks": "keras_mp.adaptive.hooks", "kernels": "keras_mp.scaling.kernels",
-    "layers": "keras_mp.fused.layers", "loss_scale": "keras_mp.scaling.loss_scale",
-    "ops": "keras_mp.fused.ops", "patch_multi_worker": None, "policies": "keras_mp.policies",
-    "policy_scope": None, "precision_report": None,
-    "precision_state": "keras_mp.adaptive.state", "probe": "keras_mp.adaptive.probe",
-    "quantization": "keras_mp.deploy.quantization", "quantize": None,
-    "report": "keras_mp.adaptive.report", "set_global_policy": None, "set_xla": None,
-    "stats": "keras_mp.adaptive.stats", "uses_xla": None, "xla": "keras_mp.device.xla",
-}
+#: keras_mp's public face, exactly: what a user calls, and the subpackages.
+PUBLIC = [
+    "AdaptivePolicy", "DynamicLossScale", "FixedLossScale", "LossScaleOptimizer",
+    "LossScaleSchedule", "PiecewiseInterval", "adaptive", "callbacks", "config", "deploy",
+    "device", "distribute", "execution", "export", "fuse", "fused", "global_policy",
+    "plot_precision", "policies", "policy_scope", "precision_report", "quantize", "scaling",
+    "set_global_policy",
+]
 
 
-@pytest.mark.parametrize("name", sorted(EARLIER_ALL))
-def test_names_of_earlier_releases_still_resolve(name):
-    assert name in keras_mp.__all__
-    obj = getattr(keras_mp, name)
-    module = EARLIER_ALL[name]
-    if module is not None:
-        assert obj is importlib.import_module(module)
+def test_public_names_are_the_pinned_list():
+    assert sorted(keras_mp.__all__) == PUBLIC
+    assert [n for n in dir(keras_mp) if not n.startswith("_")] == PUBLIC
+    for name in PUBLIC:
+        assert getattr(keras_mp, name) is not None
+
+
+def test_dir_stays_pinned_after_submodules_are_imported():
+    import keras_mp.cli  # noqa: F401  (submodules a user may import on their own)
+    import keras_mp.data  # noqa: F401
+
+    assert [n for n in dir(keras_mp) if not n.startswith("_")] == PUBLIC
+
+
+@pytest.mark.parametrize("name", ["export", "precision_report", "plot_precision", "fuse",
+                                  "quantize"])
+def test_public_functions_are_functions(name):
+    """The names a user calls are the functions, not modules of the same name."""
+    assert callable(getattr(keras_mp, name))
+
+
+@pytest.mark.parametrize("name", ["autofit", "controller", "forward", "fused_update", "hooks",
+                                  "kernels", "layers", "loss_scale", "ops", "patch_multi_worker",
+                                  "precision_state", "probe", "quantization", "report",
+                                  "set_xla", "stats", "uses_xla", "xla"])
+def test_module_aliases_are_gone(name):
+    """Nothing was released under these names; each lives in its subpackage."""
+    assert name not in keras_mp.__all__
+    with pytest.raises(AttributeError):
+        getattr(keras_mp, name)
+
+
+def test_subpackages_say_what_they_hold():
+    """Every package of keras_mp.adaptive opens with a docstring, its first line a summary."""
+    for init in (ROOT / "adaptive").glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and doc.splitlines()[0].strip(), f"{init}: no docstring"
 
 
 @pytest.mark.parametrize("path, attribute", [
@@ -190,6 +230,12 @@ def test_names_of_earlier_releases_still_resolve(name):
     ("keras_mp.device", "default_candidates"),
     ("keras_mp.device", "profile"),
     ("keras_mp.distribute", "patch_multi_worker"),
+    ("keras_mp.adaptive", "DecisionRule"),
+    ("keras_mp.config", "set_autofit"),
+    ("keras_mp.config", "set_min_saving"),
+    ("keras_mp.config", "set_xla"),
+    ("keras_mp.config", "uses_xla"),
+    ("keras_mp.config", "set_execution"),
 ])
 def test_documented_import_paths(path, attribute):
     """``from <path> import <attribute>``, as the docs show it, works."""

@@ -139,7 +139,7 @@ def test_what_keras_mp_installs_is_no_function_savedmodel_traces():
 
     import keras_mp
     from keras_mp import _installed, execution
-    from keras_mp.adaptive import hooks
+    from keras_mp.adaptive.evidence import hooks
     from keras_mp.execution import fused_update
 
     with keras_mp.policy_scope("adaptive_bfloat16"):
@@ -171,7 +171,7 @@ def test_a_float8_trained_model_exports_to_litert_in_float32(tmp_path):
     import numpy as np
 
     import keras_mp
-    from keras_mp.adaptive import float8
+    from keras_mp.adaptive.evidence import float8
     from keras_mp.deploy.export import export, float32_copy
 
     policy = keras_mp.AdaptivePolicy(candidates=("float8", "bfloat16", "float32"))

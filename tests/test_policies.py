@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from keras_mp import device, policies
-from keras_mp.adaptive.controller import DecisionRule
+from keras_mp.adaptive.decisions.controller import DecisionRule
 from keras_mp.policies import AdaptivePolicy
 
 

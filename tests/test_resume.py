@@ -26,7 +26,7 @@ import tensorflow as tf
 from keras_mp.scaling import loss_scale
 from keras_mp import policies
 from keras_mp.callbacks import AdaptivePrecision
-from keras_mp.adaptive.report import precision_report
+from keras_mp.adaptive.outputs.report import precision_report
 
 SCRIPT = Path(__file__).parent / "resume" / "train.py"
 TIMEOUT_S = 150  # per process; ~15 s each on 2 busy cores

@@ -1,7 +1,10 @@
 """``.keras`` files saved by earlier keras-mp code still load: the registered
 names (``keras_mp>...``) are what Keras resolves, whatever module a class
-lives in now. The files in ``tests/data/saved_0_1_0/`` were written by that
-folder's ``make.py`` before the package was split into subpackages.
+lives in now. ``tests/data/make_saved.py`` wrote the files in
+``tests/data/saved_0_1_0/`` before the package was split into subpackages, and
+those in ``tests/data/saved_62d6112/`` before ``keras_mp/adaptive/`` was split by
+concept (their configs name the old modules, ``keras_mp.adaptive.policy`` among
+them, now a package).
 """
 
 import pathlib
@@ -12,19 +15,21 @@ import pytest
 
 import keras_mp
 
-HERE = pathlib.Path(__file__).parent / "data" / "saved_0_1_0"
+DATA = pathlib.Path(__file__).parent / "data"
 NAMES = ["adaptive_float16", "fused_bfloat16", "adaptive_float8"]
+FILES = [("saved_0_1_0", name) for name in NAMES] + \
+    [("saved_62d6112", name) for name in NAMES + ["adaptive_no_gain"]]
 
 
-@pytest.fixture(scope="module")
-def expected():
-    with np.load(HERE / "expected.npz") as f:
+def _expected(folder: str) -> dict:
+    with np.load(DATA / folder / "expected.npz") as f:
         return dict(f)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_file_saved_before_the_layout_loads_predicts_and_trains(name, expected):
-    model = keras.saving.load_model(HERE / f"{name}.keras")
+@pytest.mark.parametrize("folder, name", FILES)
+def test_file_saved_before_the_layout_loads_predicts_and_trains(folder, name):
+    expected = _expected(folder)
+    model = keras.saving.load_model(DATA / folder / f"{name}.keras")
     x = expected[f"{name}/x"]
     # Within two units in the last place of the output's 16-bit dtype: which
     # kernels compute it (XLA or TensorFlow) is measured per process. float8
@@ -49,6 +54,9 @@ def test_file_saved_before_the_layout_loads_predicts_and_trains(name, expected):
         assert isinstance(policy, keras_mp.AdaptivePolicy)
     if name == "adaptive_float8":
         assert all(policy.is_float8(layer.path) for layer in model.layers)
+    if name == "adaptive_no_gain":  # the fit too small to gain, recorded in the policy
+        assert {row["history"][-1]["reason"] for row in keras_mp.precision_report(model).rows} \
+            == {"no_gain"}
     if name == "fused_bfloat16":
         assert {type(layer).__name__ for layer in model.layers} >= {
             "Dense", "LayerNormalization", "MultiHeadAttention", "RMSNormalization", "Softmax"}

@@ -1,49 +1,60 @@
 """Adaptive precision: each layer's compute dtype chosen from live evidence.
 
-How a decision is made, bottom up:
+One subpackage per concept, lowest first (a subpackage imports only those
+above it in this list, ``tests/test_layout.py`` checks it):
 
-* the policy: :mod:`~keras_mp.adaptive.policy` (:class:`AdaptivePolicy`, a
-  ``DTypePolicyMap`` whose entries the controller switches), its float8
-  entries (:mod:`~keras_mp.adaptive.float8_policy`), and the layers it
-  controls (:mod:`~keras_mp.adaptive.controlled_layers`);
-* evidence: forward statistics of every layer call
-  (:mod:`~keras_mp.adaptive.forward`), gradient statistics and their
-  on-device accumulation (:mod:`~keras_mp.adaptive.stats`), the float32
-  probe (:mod:`~keras_mp.adaptive.probe`), float8's own evidence
-  (:mod:`~keras_mp.adaptive.float8`), recorded through trace-time hooks
-  (:mod:`~keras_mp.adaptive.hooks`);
-* the rule: thresholds and records (:mod:`~keras_mp.adaptive.rule`) and the
-  pure decision (:mod:`~keras_mp.adaptive.controller`), applied by
-  :mod:`~keras_mp.adaptive.switching`;
-* what breaks Keras's mixed precision (token ids through a float input,
-  top-k metrics, dtypes mixed in a layer's call), handled where Keras casts
-  and calls layers: :mod:`~keras_mp.adaptive.rescue`;
-* during ``fit``: the callback (:mod:`~keras_mp.adaptive.callback`), added
-  by :mod:`~keras_mp.adaptive.autofit`, which sets up the optimizer
-  (:mod:`~keras_mp.adaptive.optimizer_setup`) and keeps its state in
-  checkpoints (:mod:`~keras_mp.adaptive.state`);
-* out: :mod:`~keras_mp.adaptive.report`,
-  :mod:`~keras_mp.adaptive.tensorboard` and the picture of a run,
-  :mod:`~keras_mp.adaptive.plot` (from :mod:`~keras_mp.adaptive.timeline`).
+* :mod:`~keras_mp.adaptive.decisions`: what decides. The rule's thresholds
+  and records (``rule``), the pure decision over an interval's evidence
+  (``controller.decide``), the loss scale's side of it (``scale_rule``), and
+  whether adapting a fit can pay off at all (``gain``);
+* :mod:`~keras_mp.adaptive.policy`: :class:`AdaptivePolicy` (a
+  ``DTypePolicyMap`` whose entries the controller switches,
+  ``adaptive_policy``), its float8 entries (``float8_policy``), the layers it
+  controls (``controlled_layers``) and its form in ``.keras`` files
+  (``saved_policy``);
+* :mod:`~keras_mp.adaptive.record`: what a run keeps. The controller's
+  per-layer state as variables saved with the model (``state``) and the
+  timeline the picture of a run draws (``timeline``);
+* :mod:`~keras_mp.adaptive.evidence`: what measures. Forward statistics of
+  every layer call (``forward``), gradient statistics accumulated on device
+  (``stats``), the float32 probe (``probe``), float8's own evidence
+  (``float8``), and the trace-time hooks that record them (``hooks``);
+* :mod:`~keras_mp.adaptive.storage`: how each variable is stored (the memory
+  issue's place);
+* :mod:`~keras_mp.adaptive.integration`: how it ties into Keras's train
+  step. The step functions (``step_functions``: plain, statistics and probe
+  steps), the optimizer's set-up (``optimizer_setup``) and loss scales
+  (``loss_scales``), switches applied to the policy (``switching``), and the
+  rescues of code Keras's mixed precision breaks (``rescue``);
+* :mod:`~keras_mp.adaptive.outputs`: what shows a run. ``precision_report``
+  (``report``), the picture of a run (``plot``) and TensorBoard
+  (``tensorboard``);
+* :mod:`~keras_mp.adaptive.fit`: what runs in ``fit``. The
+  ``AdaptivePrecision`` callback (``callback``), which reads the evidence,
+  decides, switches and writes the outputs, and ``autofit`` (``fit`` adds the
+  callback by itself).
 
 Example:
     >>> import keras_mp
     >>> from keras_mp import adaptive
     >>> adaptive.AdaptivePolicy(("float16", "float32")).candidates
     ('float16', 'float32')
+    >>> adaptive.DecisionRule(patience=4).patience
+    4
 """
 
 from keras_mp import _lazy
-from keras_mp.adaptive.controlled_layers import adaptive_layers, policy_of
-from keras_mp.adaptive.policy import AdaptivePolicy
+from keras_mp.adaptive.decisions.rule import DecisionRule
+from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
+from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
 
 # Imported when first used (keras_mp._lazy), as any submodule.
-_LAZY = {"AdaptivePrecision": "keras_mp.adaptive.callback:AdaptivePrecision",
-         "plot_precision": "keras_mp.adaptive.plot:plot_precision",
-         "precision_report": "keras_mp.adaptive.report:precision_report"}
+_LAZY = {"AdaptivePrecision": "keras_mp.adaptive.fit.callback:AdaptivePrecision",
+         "plot_precision": "keras_mp.adaptive.outputs.plot:plot_precision",
+         "precision_report": "keras_mp.adaptive.outputs.report:precision_report"}
 
-__all__ = ["AdaptivePolicy", "AdaptivePrecision", "adaptive_layers", "plot_precision",
-           "policy_of", "precision_report"]
+__all__ = ["AdaptivePolicy", "AdaptivePrecision", "DecisionRule", "adaptive_layers",
+           "plot_precision", "policy_of", "precision_report"]
 
 
 def __getattr__(name: str):

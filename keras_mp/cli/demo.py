@@ -36,7 +36,7 @@ import keras
 import numpy as np
 
 from keras_mp import callbacks, datasets, device, policies
-from keras_mp.adaptive.plot import plot_precision
+from keras_mp.adaptive.outputs.plot import plot_precision
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
 __all__ = ["DemoResult", "DemoRun", "run_demo"]

@@ -55,7 +55,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mp._cloning import clone_with_weights
-from keras_mp.adaptive import float8
+from keras_mp.adaptive.evidence import float8
 
 __all__ = ["COMPUTE_DTYPES", "FORMATS", "WEIGHTS", "export", "float32_copy", "serving_copy"]
 
@@ -133,7 +133,7 @@ def _to_float32(outputs):
 
 def _quantized_layers(model: keras.Model) -> list[str]:
     """Layers Keras quantized for inference; not the float8-capable layers
-    of an adaptive float8 model (:mod:`keras_mp.adaptive.float8`: float8 is
+    of an adaptive float8 model (:mod:`keras_mp.adaptive.evidence.float8`: float8 is
     how keras-mp trains them, over float master weights)."""
     return [layer.name for layer in model._flatten_layers(include_self=False)
             if getattr(layer, "quantization_mode", None) is not None

@@ -49,9 +49,10 @@ from typing import Any
 import keras
 from keras.src.dtype_policies import QUANTIZATION_MODES  # no public name
 
-from keras_mp.adaptive import float8, switching
-from keras_mp.adaptive.controlled_layers import policy_of
-from keras_mp.adaptive.policy import AdaptivePolicy
+from keras_mp.adaptive.evidence import float8
+from keras_mp.adaptive.integration import switching
+from keras_mp.adaptive.policy.controlled_layers import policy_of
+from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
 
 __all__ = ["MODES", "patch_quantize", "plan", "quantize", "quantizable"]
 
@@ -290,12 +291,12 @@ def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = ()
             on to Keras.
 
     Layers that trained in float8 under keras-mp become plain float layers
-    first (:func:`keras_mp.adaptive.float8.release`), quantized or kept.
+    first (:func:`keras_mp.adaptive.evidence.float8.release`), quantized or kept.
 
     A built optimizer of the model (e.g. the loss-scale wrapper the adaptive
     callback installed) holds state for the float weights quantization
     replaces; it is replaced by a fresh copy built on the model's variables
-    now (:func:`keras_mp.adaptive.optimizer_setup.replace_optimizer`), so the
+    now (:func:`keras_mp.adaptive.integration.optimizer_setup.replace_optimizer`), so the
     quantized model's ``.keras`` file loads (a
     :class:`keras_mp.LossScaleOptimizer` refuses optimizer state saved for
     other variables).
@@ -333,7 +334,7 @@ def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = ()
 def _refresh_optimizer(model: keras.Model) -> None:
     """A fresh copy of the model's built optimizer where the variables it
     was built on are no longer the model's trainable variables."""
-    from keras_mp.adaptive import optimizer_setup
+    from keras_mp.adaptive.integration import optimizer_setup
 
     opt = getattr(model, "optimizer", None)
     if opt is None or not opt.built:

@@ -241,7 +241,7 @@ def default_candidates(device_type: str | None = None) -> tuple[str, ...]:
 
     bfloat16 is preferred when both are fast: it needs no loss scaling and
     has float32's range. float8 comes first where the device has float8
-    units (Dense and EinsumDense layers only; see :mod:`keras_mp.adaptive.float8`).
+    units (Dense and EinsumDense layers only; see :mod:`keras_mp.adaptive.evidence.float8`).
     Where neither is fast the answer is ``("float32",)`` and the adaptive
     policy is plain float32, which is the fastest choice there.
 

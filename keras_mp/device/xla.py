@@ -98,10 +98,10 @@ def set_xla(kind: Kind, enabled: bool | None) -> None:
 
     Example:
         >>> import keras_mp
-        >>> keras_mp.set_xla("elementwise", False)   # run reference ops
-        >>> keras_mp.uses_xla("elementwise")
+        >>> keras_mp.config.set_xla("elementwise", False)   # run reference ops
+        >>> keras_mp.config.uses_xla("elementwise")
         False
-        >>> keras_mp.set_xla("elementwise", None)    # back to the default
+        >>> keras_mp.config.set_xla("elementwise", None)    # back to the default
     """
     _check_kind(kind)
     if enabled is not None and not isinstance(enabled, bool):

@@ -412,7 +412,7 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
         raise ValueError(f"{source} must be one of {MODES}, got {mode!r}.")
     if not getattr(model, "compiled", False):
         raise ValueError("`model` must be compiled first: call model.compile(...), then "
-                         "keras_mp.execution.configure(model).")
+                         "keras_mp.config.set_execution(model).")
     if mode in ("xla", "xla_update") and source == "`mode`":
         reason = (reasons.graph_only if mode == "xla" else reasons.update_only)(model)
         if reason is not None:  # before anything about the model changes

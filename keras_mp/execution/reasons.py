@@ -255,7 +255,7 @@ def little_to_compile(model: keras.Model) -> str | None:
     Keras ``mixed_bfloat16`` did (686), against 792 with it. So the step is
     traced inside :func:`keras_mp.device.xla.disabled`: fused layers, loss
     and metric run their TensorFlow reference ops, and the trial tries
-    nothing under XLA. ``keras_mp.set_xla("elementwise", True)`` asks for
+    nothing under XLA. ``keras_mp.config.set_xla("elementwise", True)`` asks for
     XLA's kernels anyway, and gets them.
 
     Example:
@@ -270,7 +270,7 @@ def little_to_compile(model: keras.Model) -> str | None:
         True
     """
     kind = small_xla_work(model)
-    if kind is None or xla.forced("elementwise"):   # asked for: keras_mp.set_xla
+    if kind is None or xla.forced("elementwise"):   # asked for: keras_mp.config.set_xla
         return None
     short = short_fit(model) if kind == "dense" else None
     if short is not None:
@@ -315,7 +315,7 @@ def update_only(model: keras.Model) -> str | None:
     if not xla.xla_available():
         return "XLA does not run on this device"
     if not xla.uses_xla("elementwise"):
-        return "keras_mp.set_xla('elementwise', False) keeps elementwise work out of XLA"
+        return "keras_mp.config.set_xla('elementwise', False) keeps elementwise work out of XLA"
     return maps()
 
 

@@ -257,7 +257,7 @@ class FirstCallGuard:
             _log.warning(
                 "keras_mp: XLA could not compile this model's train step (%s: %s); training "
                 "goes on as a TensorFlow graph, from this same batch. To skip the attempt: "
-                "keras_mp.execution.configure(model, mode='graph') or %s=graph.",
+                "keras_mp.config.set_execution(model, 'graph') or %s=graph.",
                 type(e).__name__, first, self._env)
             self.failed = True
             self._fn = self._on_fail()

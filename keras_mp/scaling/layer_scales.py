@@ -25,7 +25,7 @@ its own:
 The adaptive policy installs the boundaries on every controlled layer that is
 not inside another (``AdaptivePolicy(layer_loss_scales=True)``) and chooses
 the factors from the same statistics that choose dtypes
-(:mod:`keras_mp.adaptive.scale_rule`).
+(:mod:`keras_mp.adaptive.decisions.scale_rule`).
 
 Example, a layer boundary in a gradient tape:
     >>> import tensorflow as tf

@@ -16,7 +16,7 @@ from tests.faults import two_replica_mirrored_strategy
 from keras_mp import callbacks, policies
 from keras_mp.scaling import loss_scale
 from keras_mp.callbacks import AdaptivePrecision
-from keras_mp.adaptive.report import precision_report
+from keras_mp.adaptive.outputs.report import precision_report
 
 
 def _raw_features(n: int, seed: int):
@@ -216,7 +216,7 @@ def test_no_loss_scaling_without_float16_and_keras_lso_is_replaced():
 def test_rebuilds_train_function_only_when_a_dtype_changes_and_keeps_optimizer_state():
     model = _small("adaptive_bfloat16")
     policy = policies.policy_of(model)
-    policy.rule = keras_mp.adaptive.controller.DecisionRule(patience=1, cooldown=0)
+    policy.rule = keras_mp.adaptive.decisions.controller.DecisionRule(patience=1, cooldown=0)
     # Start the middle layer in float32: healthy statistics demote it.
     policy.assign(model.layers[1].path, "float32")
     cb = AdaptivePrecision(interval=4)
@@ -339,7 +339,7 @@ def test_the_probe_under_mirrored_strategy_counts_once_per_probe():
 def test_history_and_tensorboard_logging(tmp_path):
     model = _small("adaptive_bfloat16")
     policies.policy_of(model).assign(model.layers[0].path, "float32")
-    policies.policy_of(model).rule = keras_mp.adaptive.controller.DecisionRule(patience=1, cooldown=0)
+    policies.policy_of(model).rule = keras_mp.adaptive.decisions.controller.DecisionRule(patience=1, cooldown=0)
     cb = AdaptivePrecision(interval=2, log_dir=str(tmp_path))
     h = model.fit(*_xy(16), batch_size=8, epochs=3, verbose=0, callbacks=[cb])
     # a trial at call 2, validated by the probe at call 4
@@ -361,7 +361,7 @@ def test_the_callback_fit_adds_leaves_history_as_keras_has_it(adapt_every_fit):
         model = _small(policy)
         keys[policy] = set(model.fit(*_xy(16), batch_size=8, epochs=2, verbose=0).history)
     assert keys["adaptive_bfloat16"] == keys["float32"] == {"loss"}
-    assert keras_mp.adaptive.autofit.callback_of(model).history_logs is False
+    assert keras_mp.adaptive.fit.autofit.callback_of(model).history_logs is False
     with pytest.raises(TypeError, match="history_logs"):
         AdaptivePrecision(history_logs="no")
 

@@ -1,11 +1,11 @@
-"""keras_mp.adaptive.controller.decide on synthetic statistics: promotion, attribution,
+"""keras_mp.adaptive.decisions.controller.decide on synthetic statistics: promotion, attribution,
 demotion, hysteresis, cool-down, caps, and bad input."""
 
 import dataclasses
 
 import pytest
 
-from keras_mp.adaptive.controller import (PROXY_REASONS, DecisionRule, LayerState, LayerStats,
+from keras_mp.adaptive.decisions.controller import (PROXY_REASONS, DecisionRule, LayerState, LayerStats,
                                           Switch, decide, sort_candidates)
 
 F16 = ("float16", "float32")

@@ -18,10 +18,10 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp.adaptive import autofit
+from keras_mp.adaptive.fit import autofit
 from keras_mp import datasets, execution, policies
 from keras_mp.callbacks import AdaptivePrecision
-from keras_mp.adaptive.report import precision_report
+from keras_mp.adaptive.outputs.report import precision_report
 
 
 def _fit(build, data, policy, cbs=(), *, epochs, batch_size, lr, loss, metrics=("accuracy",),

@@ -1,4 +1,4 @@
-"""float8 as an adaptive candidate (keras_mp.adaptive.float8): Keras's float8 training,
+"""float8 as an adaptive candidate (keras_mp.adaptive.evidence.float8): Keras's float8 training,
 switched per layer by the adaptive controller from float8 evidence.
 
 On CPU float8 is emulated (quantize-dequantize in bfloat16), which is exact
@@ -14,8 +14,9 @@ import tensorflow as tf
 import keras
 import keras_mp
 from keras_mp import AdaptivePolicy, device
-from keras_mp.adaptive import controller, float8
-from keras_mp.adaptive.controller import LayerState, LayerStats, decide
+from keras_mp.adaptive.decisions import controller
+from keras_mp.adaptive.evidence import float8
+from keras_mp.adaptive.decisions.controller import LayerState, LayerStats, decide
 
 CANDIDATES = ("float8", "bfloat16", "float32")
 SCALE_VARS = ("inputs_scale", "inputs_amax_history", "kernel_scale", "kernel_amax_history",

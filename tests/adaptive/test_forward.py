@@ -1,4 +1,4 @@
-"""keras_mp.adaptive.forward: the statistics of a large tensor (more than
+"""keras_mp.adaptive.evidence.forward: the statistics of a large tensor (more than
 ``LARGE`` elements) come from reductions that copy nothing, and equal those
 of the XLA kernel used for smaller tensors, also where the step is traced
 with no static batch size (as Keras traces a train function)."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_mp.adaptive import forward
+from keras_mp.adaptive.evidence import forward
 from keras_mp.device import memory
 
 
@@ -92,7 +92,7 @@ def test_a_statistics_trace_costs_few_graph_nodes_per_layer():
     72 nodes per layer, once per step for all layers (forward.finish) 48."""
     import keras
 
-    from keras_mp.adaptive.hooks import Hooks
+    from keras_mp.adaptive.evidence.hooks import Hooks
 
     def nodes(depth):
         model = keras.Sequential([keras.Input((64,))]

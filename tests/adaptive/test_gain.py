@@ -1,5 +1,5 @@
 """A fit whose 16-bit arithmetic could not repay adaptation's start-up trains
-in float32 (keras_mp.adaptive.gain, applied by keras_mp.adaptive.autofit):
+in float32 (keras_mp.adaptive.decisions.gain, applied by keras_mp.adaptive.fit.autofit):
 the work it counts, the data it reads, and the float32 fit through Keras's
 lifecycle, as Keras float32 trains it."""
 
@@ -12,8 +12,9 @@ import tensorflow as tf
 
 import keras_mp
 from keras_mp import policies
-from keras_mp.adaptive import autofit, gain
-from keras_mp.adaptive.report import precision_report
+from keras_mp.adaptive.fit import autofit
+from keras_mp.adaptive.decisions import gain
+from keras_mp.adaptive.outputs.report import precision_report
 
 
 def _dense(policy="adaptive_float16", features=4):

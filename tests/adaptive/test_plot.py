@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import keras_mp
-from keras_mp.adaptive import timeline
-from keras_mp.adaptive.plot import DTYPE_COLORS
+from keras_mp.adaptive.record import timeline
+from keras_mp.adaptive.outputs.plot import DTYPE_COLORS
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from keras_mp import DynamicLossScale, policies
 from keras_mp.callbacks import AdaptivePrecision
-from keras_mp.adaptive.report import PrecisionReport, precision_report
+from keras_mp.adaptive.outputs.report import PrecisionReport, precision_report
 
 
 def _model(policy):

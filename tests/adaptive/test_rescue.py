@@ -1,4 +1,4 @@
-"""keras_mp.adaptive.rescue: what breaks Keras's mixed precision trains under the
+"""keras_mp.adaptive.integration.rescue: what breaks Keras's mixed precision trains under the
 adaptive policies (issue 41). Each case is keras-io-style code written here (a
 text classifier that feeds token ids through a float ``keras.Input``, a
 classifier compiled with top-k metrics, a VAE whose ``Sampling`` layer draws a
@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras import layers, ops
 
 import keras_mp
-from keras_mp.adaptive import rescue
+from keras_mp.adaptive.integration import rescue
 
 DTYPES = ["bfloat16", "float16"]
 VOCAB, MAXLEN = 20000, 8

@@ -1,4 +1,4 @@
-"""keras_mp.adaptive.stats.LayerStatistics: attribution by variable path, size
+"""keras_mp.adaptive.evidence.stats.LayerStatistics: attribution by variable path, size
 weighting, accumulation and reset, the loss-scale floor, replicas, and use as
 the optimizer's statistics sink inside a compiled train step."""
 
@@ -10,7 +10,7 @@ import tensorflow as tf
 import keras_mp
 from tests.faults import two_replica_mirrored_strategy
 from keras_mp.scaling.kernels import STATISTICS, GradientStatistics
-from keras_mp.adaptive.stats import LayerStatistics, variable_path
+from keras_mp.adaptive.evidence.stats import LayerStatistics, variable_path
 
 
 def _model():

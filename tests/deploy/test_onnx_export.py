@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import keras_mp
 from keras_mp import cli
-from keras_mp.adaptive import float8
+from keras_mp.adaptive.evidence import float8
 from keras_mp.deploy.export import export, serving_copy
 
 onnx = pytest.importorskip("onnx")   # the `onnx` extra, part of `test`

@@ -283,11 +283,11 @@ def test_measured_matmul_placement_and_set_xla_override():
     p = execution.profile()
     if "xla" in p.matmul.get("float32", {}):
         assert xla.uses_xla("matmul", "CPU") == p.matmul_xla_wins("float32")
-    keras_mp.set_xla("matmul", True)
+    keras_mp.config.set_xla("matmul", True)
     try:
         assert xla.uses_xla("matmul", "CPU") is True
     finally:
-        keras_mp.set_xla("matmul", None)
+        keras_mp.config.set_xla("matmul", None)
     with pytest.raises(ValueError, match="`device_type`"):
         xla.set_measured_default("matmul", "QPU", True)
 
@@ -454,11 +454,11 @@ def test_epilogue_measurement_and_placement(monkeypatch):
     unfused = layer(inputs)
     xla.set_measured_epilogue("relu", "CPU", True)
     np.testing.assert_allclose(layer(inputs), unfused, atol=1e-6)
-    keras_mp.set_xla("elementwise", False)  # the override wins over a measurement
+    keras_mp.config.set_xla("elementwise", False)  # the override wins over a measurement
     try:
         assert xla.fuses_epilogue("relu", "CPU") is False
     finally:
-        keras_mp.set_xla("elementwise", None)
+        keras_mp.config.set_xla("elementwise", None)
 
 
 def test_no_new_xla_compilation_near_the_memory_map_limit(monkeypatch, caplog,

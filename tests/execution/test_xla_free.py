@@ -49,11 +49,11 @@ def test_the_update_decides_for_a_dense_model():
     else:
         assert why.startswith("Dense layers hold 100.0% of its weights")
     # Asked for by the user, XLA's kernels run whatever the rule would say.
-    keras_mp.set_xla("elementwise", True)
+    keras_mp.config.set_xla("elementwise", True)
     try:
         assert reasons.little_to_compile(model) is None
     finally:
-        keras_mp.set_xla("elementwise", None)
+        keras_mp.config.set_xla("elementwise", None)
 
 
 _CHILD = textwrap.dedent("""

@@ -45,7 +45,7 @@ ROWS, BATCH, FEATURES = 128, 8, 8   # 16 train-function calls per epoch
 EPOCHS = 2   # 32 calls: auto's trial of 3 modes decides after 18
 POLICIES = ("adaptive_bfloat16", "adaptive_float16", "adaptive_float8")
 #: What a user gets for this model with the defaults: ``"adaptive_float16"``, and
-#: a fit too small to gain from 16 bits trains in float32 (keras_mp.adaptive.gain).
+#: a fit too small to gain from 16 bits trains in float32 (keras_mp.adaptive.decisions.gain).
 #: The policies above adapt every fit (``autofit.set_min_saving(0)``), as a
 #: fit large enough to gain does.
 NO_GAIN = "no_gain"
@@ -62,7 +62,8 @@ def build(policy: str):
     import keras
 
     import keras_mp
-    from keras_mp.adaptive import autofit, gain
+    from keras_mp.adaptive.fit import autofit
+    from keras_mp.adaptive.decisions import gain
 
     autofit.set_min_saving(gain.START_UP_S if policy == NO_GAIN else 0)
     keras_mp.set_global_policy("adaptive_float16" if policy == NO_GAIN else policy)

@@ -129,7 +129,7 @@ def adaptive_summary(model, cb) -> dict[str, Any]:
     """What the test compares: report, controller and loss-scale state, weights."""
     import keras
 
-    from keras_mp.adaptive.report import precision_report
+    from keras_mp.adaptive.outputs.report import precision_report
 
     def values(variables) -> dict[str, list]:
         return {v.path: np.asarray(keras.ops.convert_to_numpy(v)).ravel().tolist()

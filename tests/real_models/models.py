@@ -96,7 +96,7 @@ def compile_model(model, name: str) -> None:
 def build(name: str, policy: str):
     """``name`` built under the global ``policy``, compiled for its task."""
     import keras_mp
-    from keras_mp.adaptive import autofit
+    from keras_mp.adaptive.fit import autofit
 
     # Shrunk to train in seconds, these fits could not repay adaptation; at the
     # models' real sizes they can, so fit adapts them as it would those.

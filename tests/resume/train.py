@@ -47,7 +47,7 @@ def state(model, cb) -> dict:
     """Everything a resumed run must get back, as plain Python values."""
     import keras
 
-    from keras_mp.adaptive.report import precision_report
+    from keras_mp.adaptive.outputs.report import precision_report
 
     opt = model.optimizer
     return {

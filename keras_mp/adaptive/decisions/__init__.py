@@ -1,0 +1,1 @@
+"""What decides: the rule's thresholds, the pure decision, the loss scale's side, fit gain."""

@@ -1,0 +1,1 @@
+"""What measures: forward and gradient statistics, the float32 probe, float8 evidence, hooks."""

@@ -1,0 +1,1 @@
+"""Ties into Keras: step functions, optimizer set-up, loss scales, switching, the rescues."""

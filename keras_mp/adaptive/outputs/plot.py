@@ -1,0 +1,221 @@
+"""``plot_precision(model)``: one picture of what adaptive precision did in a
+run: every layer's dtype over the steps (rows in forward order, coloured by
+dtype), each switch marked with its reason, and below, the global loss scale,
+the per-layer loss scales where used, and the steps skipped.
+
+It draws from what is already recorded: the switch history of each layer
+(kept in the policy, :func:`keras_mp.precision_report`) and the loss scales
+and skipped steps that :class:`keras_mp.callbacks.AdaptivePrecision` notes at
+each decision (:mod:`keras_mp.adaptive.record.timeline`). matplotlib is an optional
+extra (``pip install "keras-mp[plot]"``).
+
+Example:
+    >>> import keras, numpy as np, keras_mp
+    >>> keras_mp.set_global_policy("adaptive_float16")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+    ...                           keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(np.ones((16, 4)), np.ones((16, 1)), batch_size=4, epochs=2, verbose=0,
+    ...               callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=2)])
+    >>> fig = keras_mp.plot_precision(model)
+    >>> [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    ['dense', 'dense_1']
+    >>> keras_mp.set_global_policy("float32")
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_mp.adaptive.record import timeline as timeline_lib
+from keras_mp.adaptive.outputs.report import precision_report
+
+__all__ = ["DTYPE_COLORS", "plot_precision"]
+
+#: Each dtype's colour in the picture, narrowest first.
+DTYPE_COLORS = {"float8": "#8172b3", "float16": "#55a868", "bfloat16": "#dd8452",
+                "float32": "#4c72b0"}
+_MARKERS = "os^vDPX*hp<>"
+_ANNOTATE_AT_MOST = 12  # switches written out beside their markers; more: the legend only
+
+
+def _matplotlib():
+    try:
+        from matplotlib.colors import ListedColormap
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as e:
+        raise ImportError('keras_mp.plot_precision needs matplotlib: pip install '
+                          '"keras-mp[plot]" (or pip install matplotlib).') from e
+    return Figure, ListedColormap, Patch
+
+
+def _grid(rows, end: int):
+    """Step edges and, per layer and segment, its dtype (from the switch history)."""
+    edges = sorted({0, end, *(h["step"] for r in rows for h in r["history"] if h["step"] < end)})
+    grid = []
+    for r in rows:
+        history = sorted(r["history"], key=lambda h: h["step"])
+        dtype = history[0]["old"] if history else r["dtype"]
+        line, k = [], 0
+        for start in edges[:-1]:
+            while k < len(history) and history[k]["step"] <= start:
+                dtype = history[k]["new"]
+                k += 1
+            line.append(dtype)
+        grid.append(line)
+    return edges, grid
+
+
+def _label(path: str, model_name: str) -> str:
+    return path[len(model_name) + 1:] if path.startswith(model_name + "/") else path
+
+
+def _draw_switches(ax, rows) -> None:
+    switches = [(h, i) for i, r in enumerate(rows) for h in r["history"]]
+    reasons = list(dict.fromkeys(h["reason"] for h, _ in switches))
+    for k, reason in enumerate(reasons):
+        mine = [(h, i) for h, i in switches if h["reason"] == reason]
+        ax.scatter([h["step"] for h, _ in mine], [i + 0.5 for _, i in mine],
+                   marker=_MARKERS[k % len(_MARKERS)], s=42, facecolor="white",
+                   edgecolor="black", linewidth=1.0, zorder=3,
+                   label=f"{reason} ({len(mine)})", gid=f"switch:{reason}")
+    if len(switches) <= _ANNOTATE_AT_MOST:
+        for h, i in switches:
+            ax.annotate(f" {h['old']}->{h['new']} ({h['reason']})", (h["step"], i + 0.5),
+                        fontsize=7, va="center", zorder=4,
+                        bbox=dict(boxstyle="round,pad=0.15", fc="white", alpha=0.8, lw=0))
+
+
+def _draw_scales(ax, timeline, end: int) -> None:
+    entries = [e for e in (timeline.entries if timeline else []) if e["loss_scale"] is not None]
+    if not entries:
+        ax.text(0.5, 0.5, "no loss scaling in this run (bfloat16 and float32 need none)",
+                ha="center", va="center", transform=ax.transAxes, fontsize=9)
+        ax.set_yticks([])
+        return
+    steps = [e["step"] for e in entries] + [end]
+    ax.step(steps, [e["loss_scale"] for e in entries] + [entries[-1]["loss_scale"]],
+            where="post", color="black", linewidth=1.6, label="global loss scale")
+    paths = list(dict.fromkeys(p for e in entries for p in (e["layer_scales"] or {})))
+    for k, path in enumerate(paths):
+        values = [(e["layer_scales"] or {}).get(path, np.nan) for e in entries]
+        ax.step(steps, values + [values[-1]], where="post", linewidth=0.7, alpha=0.6,
+                color="tab:gray", label=f"per-layer scales ({len(paths)} layers)" if k == 0
+                else None)
+    ax.set_yscale("log", base=2)
+    ax.set_ylabel("loss scale")
+    counts = [e["skipped_steps"] for e in entries]
+    handles, labels = ax.get_legend_handles_labels()
+    if all(c is not None for c in counts):
+        skipped = ax.twinx()
+        # Entry i's count less entry i-1's: the steps skipped in (step[i-1], step[i]].
+        starts, ends = steps[:len(entries) - 1], steps[1:len(entries)]
+        per = [b - a for a, b in zip(counts, counts[1:])]
+        bars = skipped.bar(starts, per, width=[b - a for a, b in zip(starts, ends)],
+                           align="edge", color="tab:red", alpha=0.3,
+                           label=f"skipped steps per interval ({sum(per)} in all)")
+        skipped.set_ylabel("skipped steps", color="tab:red")
+        skipped.set_ylim(0, max([*per, 0]) * 1.25 + 1)
+        handles.append(bars)
+        labels.append(bars.get_label())
+    ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.08, 1.0))
+
+
+def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
+                   title: str | None = None, dpi: int = 100) -> Any:
+    """Draws what adaptive precision did in ``model``'s training so far.
+
+    Top: one row per controlled layer, in forward order, one column per
+    stretch of steps, coloured by the layer's dtype (:data:`DTYPE_COLORS`);
+    a marker at each switch, one shape per reason (written beside the marker
+    when there are at most 12 switches). Bottom: the global loss scale, the
+    per-layer loss scales where the policy uses them, and the steps skipped
+    in each decision interval.
+
+    Args:
+        model: a Keras model trained under an adaptive policy (with
+            :class:`keras_mp.callbacks.AdaptivePrecision`, which ``fit``
+            adds by itself).
+        path: where to write the picture (PNG, or any format matplotlib
+            writes, by the file's extension); None writes nothing.
+        title: the title; None: the model's name and policy.
+        dpi: the resolution of the file written, an int in [50, 600].
+
+    Returns:
+        The ``matplotlib.figure.Figure`` (a notebook shows it as a PNG).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ValueError: the model has no adaptive policy, or has not trained yet.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r}.")
+    if isinstance(dpi, bool) or not isinstance(dpi, int) or not 50 <= dpi <= 600:
+        raise ValueError(f"`dpi` must be an int in [50, 600], got {dpi!r}.")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"`path` must be a file path or None, got {path!r}.")
+    report = precision_report(model)
+    if not report.candidates:
+        raise ValueError(f"`model` {model.name!r} has no adaptive policy (policy "
+                         f"{report.policy!r}): nothing to plot.")
+    if len(report.candidates) == 1:
+        raise ValueError(f"`model` {model.name!r}: its policy {report.policy!r} has one candidate "
+                         f"here ({report.candidates[0]}), so nothing adapts and there is nothing "
+                         "to plot; give candidates, e.g. 'adaptive_float16'.")
+    timeline = timeline_lib.of(model)
+    rows = list(report.rows)
+    switched = [h["step"] for r in rows for h in r["history"]]
+    end = max([timeline.last_step if timeline else 0, *(s + 1 for s in switched)])
+    if end == 0:
+        raise ValueError(f"`model` {model.name!r} has not trained under AdaptivePrecision yet: "
+                         "nothing to plot (call fit first).")
+    Figure, ListedColormap, Patch = _matplotlib()
+    edges, grid = _grid(rows, end)
+    dtypes = list(DTYPE_COLORS)
+    codes = np.array([[dtypes.index(d) if d in dtypes else len(dtypes) - 1 for d in line]
+                      for line in grid], dtype=float)
+    n = len(rows)
+    row = 0.24 if n <= 24 else 0.18  # inches per layer
+    top = max(1.6, row * n + 0.8)
+    fig = Figure(figsize=(11, top + 2.6), layout="constrained")
+    ax, scale_ax = fig.subplots(2, 1, sharex=True, height_ratios=[top, 2.0])
+    ax.pcolormesh(edges, np.arange(n + 1), codes, cmap=ListedColormap(list(DTYPE_COLORS.values())),
+                  vmin=-0.5, vmax=len(dtypes) - 0.5, edgecolors="white", linewidth=0.3)
+    ax.set_ylim(n, 0)
+    ax.set_yticks(np.arange(n) + 0.5, [_label(r["layer"], model.name) for r in rows],
+                  fontsize=8 if n <= 24 else 7 if n <= 60 else 6)
+    _draw_switches(ax, rows)
+    present = [d for d in dtypes if any(d in line for line in grid)]
+    dtype_legend = ax.legend(
+        [Patch(color=DTYPE_COLORS[d]) for d in present], present, title="dtype",
+        fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.add_artist(dtype_legend)
+    if switched:
+        ax.legend(title="switch reason (count)", fontsize=8, title_fontsize=8,
+                  loc="upper left", bbox_to_anchor=(1.15, 1.0))
+    ax.set_title(title if title is not None else
+                 f"{model.name}: {report.policy} ({', '.join(report.candidates)}), "
+                 f"{n} layers, {len(switched)} switch{'es' if len(switched) != 1 else ''}",
+                 fontsize=10)
+    _draw_scales(scale_ax, timeline, end)
+    scale_ax.set_xlabel("step (train-function call)")
+    scale_ax.set_xlim(0, end)
+    if path is not None:
+        fig.savefig(os.fspath(path), dpi=dpi)
+    # A figure made without pyplot: IPython shows it through this, with or
+    # without matplotlib's inline backend set up.
+    fig._repr_png_ = functools.partial(_png, fig, dpi)
+    return fig
+
+
+def _png(fig, dpi: int) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()

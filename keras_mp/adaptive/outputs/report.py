@@ -1,0 +1,228 @@
+"""``precision_report(model)``: every layer's dtype, its evidence (gradient
+statistics, forward statistics, float32-probe errors) and its switches with
+their reasons, as a table and as data.
+
+Example:
+    >>> import keras, keras_mp
+    >>> keras_mp.set_global_policy("adaptive_bfloat16")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2),
+    ...                           keras.layers.Softmax()])
+    >>> r = keras_mp.precision_report(model)
+    >>> [(row["class"], row["compute_dtype"], row["switches"]) for row in r.rows]
+    [('Dense', 'bfloat16', 0), ('Softmax', 'bfloat16', 0)]
+    >>> lines = str(r).splitlines()
+    >>> lines[0]
+    'policy: adaptive_bfloat16, candidates: bfloat16, float32'
+    >>> lines[1].split(" | ")[:4]
+    ['| layer', 'class', 'dtype', 'grad nonfinite']
+    >>> keras_mp.set_global_policy("float32")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+
+from keras_mp.adaptive.integration import rescue
+from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
+
+__all__ = ["COLUMNS", "PrecisionReport", "precision_report"]
+
+NOT_MEASURED = "n/m"
+
+#: ``(stats key, column title, which evidence, legend)`` for the table.
+COLUMNS: tuple[tuple[str, str, str, str], ...] = (
+    ("nonfinite", "grad nonfinite", "gradients",
+     "fraction of statistics steps with an inf/nan gradient (at the loss scale's floor)"),
+    ("amax", "grad amax", "gradients", "largest finite unscaled gradient magnitude"),
+    ("fp16_subnormal", "fp16 sub", "gradients",
+     "fraction of scaled gradient elements in float16's subnormal range"),
+    ("bf16_subnormal", "bf16 sub", "gradients",
+     "fraction of gradient elements below bfloat16's normal range"),
+    ("in_amax", "in amax", "forward", "largest finite |input| as the layer received it"),
+    ("out_amax", "out amax", "forward", "largest finite |output|"),
+    ("in_range", "in range", "forward",
+     "fraction of observed steps whose cast input was non-finite or beyond the dtype's max"),
+    ("out_nonfinite", "out nonfinite", "forward",
+     "fraction of observed steps with an inf/nan output"),
+    ("out_flushed", "out flushed", "forward",
+     "fraction of output elements flushed to subnormals in the layer's dtype"),
+    ("f8_saturated", "f8 sat", "float8",
+     "float8 layers: fraction of operand elements clipped at the E4M3/E5M2 limits"),
+    ("f8_flushed", "f8 flushed", "float8",
+     "float8 layers: fraction of non-zero operand elements rounded to zero"),
+    ("f8_growth", "f8 growth", "float8",
+     "float8 layers: largest amax growth over the amax history"),
+    ("grad_error", "probe err", "probe",
+     "float32 probe: relative error of the layer's gradient in its dtype vs float32"),
+    ("cosine", "probe cos", "probe", "float32 probe: cosine of the gradient vs float32"),
+    ("loss_scale", "loss scale", "scale",
+     "float16: the loss scale the layer's gradients carry (the global scale, times the "
+     "layer's own factor with per-layer loss scales)"),
+)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return NOT_MEASURED
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _measured(stats: dict[str, Any] | None) -> dict[str, bool]:
+    """Which evidence the last interval collected for a layer."""
+    if not stats:
+        return {"gradients": False, "forward": False, "probe": False, "float8": False,
+                "scale": False}
+    return {"gradients": bool(stats.get("gradients", True)) and stats.get("steps", 0) > 0,
+            "forward": stats.get("forward_steps", 0) > 0,
+            "probe": stats.get("probe_steps", 0) > 0,
+            "float8": stats.get("forward_steps", 0) > 0 and bool(stats.get("float8")),
+            "scale": stats.get("loss_scale") is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """A model's precision, layer by layer, in forward order.
+
+    Attributes:
+        policy: the policy's name (the global policy's when no layer is adaptive).
+        candidates: the adaptive candidates, or ``()``.
+        rows: one dict per controlled layer (every layer that computes, with
+            or without weights): ``layer`` (path), ``class``,
+            ``dtype`` (the adaptive dtype: ``"float8"`` for a layer
+            training in float8, else its compute dtype),
+            ``compute_dtype``, ``variable_dtype``, ``stats`` (the last
+            interval's evidence, or None), ``measured`` (which evidence that
+            interval collected: ``gradients``, ``forward``, ``probe``,
+            ``float8``),
+            ``probe`` (the last probe's errors and whether they mark the layer
+            sensitive, or None), ``loss_scale`` (float16: the loss scale its
+            gradients carried at the last decision, or None), ``state`` (the
+            controller's, or None),
+            ``switches`` and ``history`` (switch dicts with ``step``, ``old``,
+            ``new``, ``reason``), ``rules`` (the rules of
+            :mod:`keras_mp.adaptive.integration.rescue` applied to it, such as
+            ``"integer_input"``).
+        metrics_in_float32: the compiled metrics that get float32 predictions
+            (the ``float32_metric`` rule of :mod:`keras_mp.adaptive.integration.rescue`).
+    """
+
+    policy: str
+    candidates: tuple[str, ...]
+    rows: tuple[dict[str, Any], ...]
+    metrics_in_float32: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The structured form (JSON-serializable)."""
+        return {"policy": self.policy, "candidates": list(self.candidates),
+                "layers": [dict(r) for r in self.rows],
+                "metrics_in_float32": list(self.metrics_in_float32)}
+
+    def dtypes(self) -> dict[str, str]:
+        """Layer path -> adaptive dtype (``"float8"`` or the compute dtype)."""
+        return {r["layer"]: r["dtype"] for r in self.rows}
+
+    def _columns(self):
+        # The float8 columns only where float8 is a candidate, the loss scale
+        # only where float16 is.
+        return [c for c in COLUMNS if (c[2] != "float8" or "float8" in self.candidates)
+                and (c[2] != "scale" or "float16" in self.candidates)]
+
+    def __str__(self) -> str:
+        head = f"policy: {self.policy}"
+        if self.candidates:
+            head += f", candidates: {', '.join(self.candidates)}"
+        columns = self._columns()
+        cols = ["layer", "class", "dtype", *(c[1] for c in columns), "switches", "history"]
+        lines = [head, "| " + " | ".join(cols) + " |",
+                 "| --- | --- | --- |" + " ---: |" * (len(columns) + 1) + " --- |"]
+        for r in self.rows:
+            stats, measured = r["stats"] or {}, r["measured"]
+            history = ", ".join([f"{h['old']}->{h['new']}@{h['step']} ({h['reason']})"
+                                 for h in r["history"]]
+                                + [f"exact input ({rule})" for rule in r.get("rules", ())
+                                   if rule == "integer_input"])
+            cells = [r["layer"], r["class"], r["dtype"],
+                     *(_cell(stats.get(key) if measured[kind] else None)
+                       for key, _, kind, _ in columns),
+                     str(r["switches"]), history]
+            lines.append("| " + " | ".join(cells) + " |")
+        if self.metrics_in_float32:
+            lines.append("metrics given float32 predictions (float32_metric): "
+                         + ", ".join(self.metrics_in_float32))
+        return "\n".join(lines)
+
+    def legend(self) -> str:
+        """What each column means (``n/m``: not measured in the last interval:
+        a layer without weights has no gradients, the probe had not run, ...)."""
+        rows = [f"- {title}: {text}" for _, title, _, text in self._columns()]
+        rows += ["- switches: dtype changes so far; history: old->new@call (reason)",
+                 f"- {NOT_MEASURED}: not measured (no weights, no probe yet, or no statistics "
+                 "step since the last decision)",
+                 "- exact input (integer_input), (dtype_mismatch), float32_metric: rules for "
+                 "what breaks Keras's mixed precision (docs/when_keras_fails.md):"]
+        rows += [f"  - {rule}: {why}" for rule, why in rescue.RULES.items()]
+        return "\n".join(rows)
+
+
+def _computing_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
+    seen: set[int] = set()
+    out = []
+    for layer in model._flatten_layers(include_self=False):
+        if id(layer) in seen or isinstance(layer, (keras.Model, keras.layers.InputLayer)):
+            continue
+        seen.add(id(layer))
+        out.append(layer)
+    return out
+
+
+def precision_report(model: keras.Model) -> PrecisionReport:
+    """Reports every layer of ``model`` that computes, in forward order (as
+    last observed by the adaptive policy; the model's layer order before).
+
+    Args:
+        model: a Keras model; adaptive or not (then only dtypes are shown).
+
+    Returns:
+        A :class:`PrecisionReport`; ``print`` it for the table and
+        ``print(report.legend())`` for what the columns mean.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"`model` must be a Keras model or layer, got {model!r}.")
+    policy = policy_of(model) if isinstance(model, keras.Model) else None
+    layers = adaptive_layers(model, policy) if policy is not None \
+        else _computing_layers(model)
+    records = [policy.record(layer.path) if policy is not None else {} for layer in layers]
+    order = sorted(range(len(layers)), key=lambda i: (records[i].get("position", i), i))
+    rows = []
+    for i in order:
+        layer, record = layers[i], records[i]
+        state = record.get("state")
+        stats = dict(record["stats"]) if record.get("stats") else None
+        float8_capable = policy is not None and policy.is_float8(layer.path)
+        if stats is not None:
+            stats["float8"] = float8_capable
+            stats["loss_scale"] = record.get("loss_scale")
+        rows.append({
+            "layer": layer.path or layer.name,
+            "class": type(layer).__name__,
+            "dtype": policy.dtype_of(layer.path) if policy is not None else layer.compute_dtype,
+            "compute_dtype": layer.compute_dtype,
+            "variable_dtype": layer.variable_dtype,
+            "stats": stats,
+            "measured": _measured(stats),
+            "probe": dict(record["probe"]) if record.get("probe") else None,
+            "loss_scale": record.get("loss_scale"),
+            "state": dict(state) if state else None,
+            "switches": int(state["switches"]) if state else 0,
+            "history": [dict(h) for h in record.get("history", [])],
+            "rules": list(record.get("rules", [])),
+        })
+    name = policy.name if policy is not None else keras.config.dtype_policy().name
+    metrics = tuple(rescue.float32_metrics(model)) if isinstance(model, keras.Model) else ()
+    return PrecisionReport(name, policy.candidates if policy is not None else (), tuple(rows),
+                           metrics)

@@ -1,0 +1,104 @@
+"""What :class:`keras_mp.callbacks.AdaptivePrecision` records over a run, for
+:func:`keras_mp.plot_precision`: at the start and at every decision, the
+step (train-function call), the global loss scale, the per-layer loss scales
+(where used) and the skipped-step count; and the last step trained.
+
+The dtypes over the steps need no record of their own: every layer's switch
+history (step, old, new, reason) is kept in the policy
+(:func:`keras_mp.precision_report`), which ``.keras`` files carry too. The
+timeline lives beside the model, in what keras-mp installs on it
+(:mod:`keras_mp._installed`): nothing saves it, and a second ``fit`` of the
+same model continues it. One decision adds one entry (a few floats).
+
+Example:
+    >>> import keras
+    >>> from keras_mp.adaptive.record import timeline
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> timeline.record(model, 0, None, ("dense",), None)
+    >>> t = timeline.of(model)
+    >>> t.entries[0]["step"], t.entries[0]["loss_scale"], t.last_step
+    (0, None, 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from keras_mp import _installed
+
+__all__ = ["Timeline", "finish", "of", "record"]
+
+_ATTR = "precision_timeline"
+
+
+@dataclasses.dataclass
+class Timeline:
+    """A run's record.
+
+    Attributes:
+        entries: dicts with ``step``, ``loss_scale`` (the global scale, or
+            None without loss scaling), ``layer_scales`` (path -> the scale
+            its gradients carry, with per-layer loss scales; else None) and
+            ``skipped_steps`` (skipped so far, or None), in step order.
+        last_step: the last train-function call counted.
+    """
+
+    entries: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    last_step: int = 0
+
+
+def of(model: keras.Model) -> Timeline | None:
+    """The model's timeline, or None if nothing was recorded."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r}.")
+    held = model.__dict__.get(_installed.INSTALLED_ATTR)
+    return getattr(held, _ATTR, None)
+
+
+def _scalar(value) -> float:
+    return float(keras.ops.convert_to_numpy(value))
+
+
+def record(model: keras.Model, step: int, optimizer, paths: Sequence[str],
+           layer_scales: Sequence[float] | None) -> None:
+    """Appends one entry (replacing one already at ``step``).
+
+    Args:
+        model: the model trained.
+        step: the train-function call.
+        optimizer: the model's optimizer (its ``loss_scale`` and
+            ``skipped_steps`` are read where it has them), or None.
+        paths: the controlled layers' paths.
+        layer_scales: with per-layer loss scales, one scale per path; else None.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"`step` must be an int >= 0, got {step!r}.")
+    timeline = of(model)
+    if timeline is None:
+        timeline = Timeline()
+        setattr(_installed.installed(model), _ATTR, timeline)
+    scale = getattr(optimizer, "loss_scale", None)
+    skipped = getattr(optimizer, "skipped_steps", None)
+    entry = {"step": int(step),
+             "loss_scale": None if scale is None else _scalar(scale),
+             "layer_scales": None if layer_scales is None
+             else dict(zip(paths, map(float, layer_scales))),
+             "skipped_steps": None if skipped is None else int(_scalar(skipped))}
+    if timeline.entries and timeline.entries[-1]["step"] == entry["step"]:
+        timeline.entries[-1] = entry
+    else:
+        timeline.entries.append(entry)
+    timeline.last_step = max(timeline.last_step, int(step))
+
+
+def finish(model: keras.Model, step: int) -> None:
+    """Notes the last step trained (the end of ``fit``)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"`step` must be an int >= 0, got {step!r}.")
+    timeline = of(model)
+    if timeline is not None:
+        timeline.last_step = max(timeline.last_step, int(step))

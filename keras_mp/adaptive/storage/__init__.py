@@ -1,0 +1,1 @@
+"""How each variable is stored (weights, gradients, optimizer state), from the same evidence."""

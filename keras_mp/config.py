@@ -1,0 +1,123 @@
+"""keras-mp's settings, in one place (as ``keras.config`` holds Keras's).
+
+| setting | call | default |
+| --- | --- | --- |
+| ``fit`` adds ``AdaptivePrecision`` under an adaptive policy | :func:`set_autofit` | on |
+| the least a fit must be able to save for ``fit`` to adapt it | :func:`set_min_saving` | 0.5 s |
+| XLA for a kind of work (``"matmul"``, ``"elementwise"``, ...) | :func:`set_xla` | measured |
+| a model's execution mode (graph, ``xla_update``, ``xla``) | :func:`set_execution` | measured |
+
+Environment variables, read when used: ``KERAS_MP_EXECUTION`` (the
+execution mode of every model: ``auto``, ``graph``, ``xla_update``, ``xla``,
+``keep``; :func:`set_execution` wins over it) and ``KERAS_MP_CACHE_DIR``
+(where what start-up measures is kept, :mod:`keras_mp.device.cache`).
+
+Each function here is the documented name of a setting whose state lives
+with its concept (:mod:`keras_mp.adaptive.fit.autofit`,
+:mod:`keras_mp.device.xla`, :mod:`keras_mp.execution`).
+
+Example:
+    >>> import keras_mp
+    >>> keras_mp.config.autofit_enabled(), keras_mp.config.min_saving()
+    (True, 0.5)
+    >>> keras_mp.config.set_min_saving(0)      # adapt every fit, however small
+    >>> keras_mp.config.set_min_saving(0.5)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keras_mp.adaptive.fit import autofit
+from keras_mp.device import xla
+
+__all__ = ["autofit_enabled", "min_saving", "set_autofit", "set_execution", "set_min_saving",
+           "set_xla", "uses_xla"]
+
+
+def set_autofit(enabled: bool) -> None:
+    """Whether ``fit`` adds an ``AdaptivePrecision`` callback by itself to a
+    model under an adaptive policy (on by default). Off, such a model keeps
+    its precisions unless ``callbacks=[keras_mp.callbacks.AdaptivePrecision()]``
+    is passed to ``fit``.
+
+    Args:
+        enabled: True or False.
+
+    Example:
+        >>> import keras_mp
+        >>> keras_mp.config.set_autofit(False); keras_mp.config.autofit_enabled()
+        False
+        >>> keras_mp.config.set_autofit(True)
+    """
+    autofit.set_enabled(enabled)
+
+
+def autofit_enabled() -> bool:
+    """Whether ``fit`` adds ``AdaptivePrecision`` by itself (:func:`set_autofit`)."""
+    return autofit.enabled()
+
+
+def set_min_saving(seconds: float) -> None:
+    """The least time, in seconds, that 16-bit arithmetic must be able to
+    save in a fit for ``fit`` to adapt a model never adapted
+    (:mod:`keras_mp.adaptive.decisions.gain`); below it the fit trains in
+    float32 (reason ``no_gain``). 0 adapts every fit, however small.
+
+    Args:
+        seconds: a finite number >= 0 (default 0.5).
+    """
+    autofit.set_min_saving(seconds)
+
+
+def min_saving() -> float:
+    """The bound set by :func:`set_min_saving`."""
+    return autofit.min_saving()
+
+
+def set_xla(kind: str, enabled: bool | None) -> None:
+    """Forces XLA on (True) or off (False) for one kind of work, or gives the
+    choice back to the measurement (None).
+
+    Args:
+        kind: ``"matmul"``, ``"elementwise"`` or ``"multi_tensor"``
+            (:data:`keras_mp.device.xla.Kind`).
+        enabled: True, False or None.
+
+    Example:
+        >>> import keras_mp
+        >>> keras_mp.config.set_xla("elementwise", False); keras_mp.config.uses_xla("elementwise")
+        False
+        >>> keras_mp.config.set_xla("elementwise", None)
+    """
+    xla.set_xla(kind, enabled)
+
+
+def uses_xla(kind: str) -> bool:
+    """Whether work of ``kind`` runs under XLA now (:func:`set_xla`)."""
+    return xla.uses_xla(kind)
+
+
+def set_execution(model: Any, mode: str | None = None) -> str:
+    """Sets how ``model``'s train step runs: ``"graph"``, ``"xla_update"``
+    (the graph, with the optimizer's update compiled by XLA), ``"xla"`` (the
+    whole step compiled), ``"auto"`` (measured on the model's first calls),
+    or ``"keep"`` (as ``model.compile`` set it). None reads
+    ``KERAS_MP_EXECUTION`` (default ``"auto"``). Returns the mode applied
+    (``"trial"`` while ``auto`` measures). ``AdaptivePrecision`` calls it
+    with ``mode=None`` when it attaches.
+
+    Args:
+        model: a compiled Keras model.
+        mode: one of the modes above, or None.
+
+    Example:
+        >>> import keras, keras_mp
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> keras_mp.config.set_execution(model, "graph")
+        'graph'
+    """
+    from keras_mp.execution import choice  # the execution choice: imported when used
+
+    return choice.configure(model, mode=mode)
