@@ -114,9 +114,12 @@ ON_IMPORT: tuple[Change, ...] = (
            "a loaded model gets back the one adaptive policy it was saved with, whatever the "
            "global policy; a layer made with an adaptive policy keeps its auto config",
            "3.15.1", "keras_mp.adaptive.policy.saved_policy", _saved_policy),
-    Change("rescues", "feature", ("keras:layers.Layer.__call__", "keras:Model.compute_metrics"),
+    Change("rescues", "feature",
+           ("keras:layers.Layer.__call__", "keras:layers.Layer.add_loss",
+            "keras.layers:Normalization.adapt", "keras:Model.compute_metrics"),
            "under an adaptive policy: integer inputs kept exact, dtypes mixed in a layer's call "
-           "resolved in float32, float32 predictions for top-k metrics",
+           "resolved in float32, activity penalties and add_loss terms in float32, "
+           "Normalization.adapt's statistics in float32, float32 predictions for top-k metrics",
            "3.15.1", "keras_mp.adaptive.integration.rescue",
            _call("keras_mp.adaptive.integration.rescue", "install")),
     Change("default_policy_names", "feature",

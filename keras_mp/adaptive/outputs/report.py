@@ -32,6 +32,10 @@ __all__ = ["COLUMNS", "PrecisionReport", "precision_report"]
 
 NOT_MEASURED = "n/m"
 
+#: The rules a layer's history cell shows, as it names them.
+_RULE_LABELS = {"integer_input": "exact input", "float32_loss": "float32 penalty",
+                "float32_adapt": "float32 statistics"}
+
 #: ``(stats key, column title, which evidence, legend)`` for the table.
 COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     ("nonfinite", "grad nonfinite", "gradients",
@@ -151,8 +155,8 @@ class PrecisionReport:
             stats, measured = r["stats"] or {}, r["measured"]
             history = ", ".join([f"{h['old']}->{h['new']}@{h['step']} ({h['reason']})"
                                  for h in r["history"]]
-                                + [f"exact input ({rule})" for rule in r.get("rules", ())
-                                   if rule == "integer_input"])
+                                + [f"{_RULE_LABELS[rule]} ({rule})"
+                                   for rule in r.get("rules", ()) if rule in _RULE_LABELS])
             cells = [r["layer"], r["class"], r["dtype"],
                      *(_cell(stats.get(key) if measured[kind] else None)
                        for key, _, kind, _ in columns),
@@ -174,8 +178,9 @@ class PrecisionReport:
         rows += ["- switches: dtype changes so far; history: old->new@call (reason)",
                  f"- {NOT_MEASURED}: not measured (no weights, no probe yet, or no statistics "
                  "step since the last decision)",
-                 "- exact input (integer_input), (dtype_mismatch), float32_metric: rules for "
-                 "what breaks Keras's mixed precision (docs/when_keras_fails.md):"]
+                 "- " + ", ".join(f"{label} ({rule})" for rule, label in _RULE_LABELS.items())
+                 + ", (dtype_mismatch), float32_metric: rules for what breaks Keras's mixed "
+                 "precision (docs/when_keras_fails.md):"]
         rows += [f"  - {rule}: {why}" for rule, why in rescue.RULES.items()]
         return "\n".join(rows)
 
