@@ -407,6 +407,11 @@ CASES = [
      TypeError, "`float8`"),
     ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("bfloat16", "float32")).assign("dense", "adaptive.evidence.float8"), ValueError, "`dtype`"),
+    ("adaptive.integration.switching.parents", lambda: switching.parents("dense"), TypeError,
+     "`paths`"),
+    ("adaptive.decisions.controller.decide", lambda: controller.decide(
+        [controller.LayerStats(steps=1)], [controller.LayerState("float32")],
+        ("float16", "float32"), parents=[0]), ValueError, "`parents`"),
     ("adaptive.integration.switching.refresh", lambda: switching.refresh("dense"), TypeError, "`layer`"),
     ("adaptive.integration.switching.with_parents", lambda: switching.with_parents("p", [], [], []), TypeError,
      "`policy`"),
