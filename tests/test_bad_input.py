@@ -75,6 +75,7 @@ NO_ARGUMENTS = {
     "adaptive.record.state.AttachedState",  # a base: a Keras layer's own arguments, checked by Keras
     "adaptive.fit.autofit.enabled", "adaptive.fit.autofit.install", "adaptive.evidence.float8.install",
     "adaptive.fit.autofit.min_saving", "config.autofit_enabled", "config.min_saving",
+    "config.skip_nonfinite",
     # what fit was given, read as Keras reads it: None where it says nothing
     "adaptive.decisions.gain.fit_steps",
     "adaptive.policy.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
@@ -167,6 +168,10 @@ CASES = [
     ("config.set_autofit", lambda: keras_mp.config.set_autofit("yes"), TypeError, "`enabled`"),
     ("config.set_min_saving", lambda: keras_mp.config.set_min_saving(-1), ValueError,
      "`seconds`"),
+    ("config.set_skip_nonfinite", lambda: keras_mp.config.set_skip_nonfinite("yes"), TypeError,
+     "`enabled`"),
+    ("adaptive.integration.optimizer_setup.connect",
+     lambda: optimizer_setup.connect(_model(), None), ValueError, "compiled model"),
     ("config.set_xla", lambda: keras_mp.config.set_xla("conv", True), ValueError, "`kind`"),
     ("config.uses_xla", lambda: keras_mp.config.uses_xla("conv"), ValueError, "`kind`"),
     ("config.set_execution", lambda: keras_mp.config.set_execution("model"), TypeError,
