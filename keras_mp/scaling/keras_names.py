@@ -16,8 +16,7 @@ Example:
 
 from __future__ import annotations
 
-import math
-
+from keras_mp import _checks as checks
 from keras_mp.scaling import kernels
 from keras_mp.scaling import loss_scale as loss_scale_lib
 
@@ -30,12 +29,10 @@ DEFAULT_GROWTH_STEPS = 2000
 
 def whole_steps(value) -> int:
     """A step count: an int >= 1, or a float holding one (``3.0``), as Keras accepts."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not checks.is_number(value) or not float(value).is_integer() or value < 1:
         raise ValueError("`dynamic_growth_steps` must be a whole number >= 1 (an int, or a "
                          f"float such as 3.0), got {value!r}.")
-    return value
+    return int(value)
 
 
 def growth_steps_of(schedule: loss_scale_lib.LossScaleSchedule) -> int | None:
@@ -48,11 +45,9 @@ def growth_steps_of(schedule: loss_scale_lib.LossScaleSchedule) -> int | None:
 
 
 def legacy_schedule(initial_scale, dynamic_growth_steps) -> loss_scale_lib.DynamicLossScale:
-    if isinstance(initial_scale, bool) or not isinstance(initial_scale, (int, float)) \
-            or not math.isfinite(initial_scale) or initial_scale <= 0:
-        raise ValueError(f"`initial_scale` must be a finite number > 0, got {initial_scale!r}.")
+    """The dynamic schedule Keras's ``initial_scale`` and ``dynamic_growth_steps`` describe."""
+    initial_scale = checks.positive("initial_scale", initial_scale)
     dynamic_growth_steps = whole_steps(dynamic_growth_steps)
-    initial_scale = float(initial_scale)
     # Keras has no bounds; ours must contain the scale the user asked for.
     return loss_scale_lib.DynamicLossScale(
         initial_scale=initial_scale,

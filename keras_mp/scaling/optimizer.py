@@ -20,7 +20,6 @@ stay, the scale backs off), so an update is always k finite micro-batches.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import keras
@@ -29,9 +28,11 @@ from keras import initializers, ops
 from keras.saving import deserialize_keras_object, serialize_keras_object
 from keras.src.utils import tracking  # Keras's own LSO.build uses it too
 
+from keras_mp import _checks as checks
 from keras_mp import distribute
 from keras_mp.scaling import kernels, layer_scales as layer_scales_lib
 from keras_mp.scaling import loss_scale as loss_scale_lib
+from keras_mp.scaling import skips
 from keras_mp.scaling.keras_names import (DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE,
                                            KerasNamesMixin, growth_steps_of, legacy_schedule)
 from keras_mp.scaling.scaled_loss import ScaledLossCheck
@@ -65,10 +66,12 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
             :class:`keras_mp.FixedLossScale`), ``"dynamic"`` or a number (a
             fixed scale). Replaces the two arguments above.
         max_consecutive_skips: if set (an int >= 1), a step that makes the
-            number of consecutive skipped steps exceed it raises
-            ``tf.errors.InvalidArgumentError`` naming the variables whose
-            gradients were non-finite, instead of skipping forever. Needs a
-            train step that is not XLA-compiled (``jit_compile=False``).
+            number of consecutive skipped steps exceed it stops the run with
+            :class:`keras_mp.scaling.skips.TooManySkipsError` naming the
+            variables whose gradients were non-finite, instead of skipping
+            forever (``fit``, and ``apply`` run eagerly; a custom
+            ``tf.function`` loop gets TensorFlow's error with that sentence).
+            Needs a train step that is not XLA-compiled (``jit_compile=False``).
         layer_scales: per-layer loss scales (see
             :mod:`keras_mp.scaling.layer_scales`): each gradient is unscaled
             by the global scale times its layer's own factor, kept in the
@@ -140,11 +143,8 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
         else:
             schedule_given = False
             schedule = legacy_schedule(initial_scale, dynamic_growth_steps)
-        if max_consecutive_skips is not None and (
-                isinstance(max_consecutive_skips, bool)
-                or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1):
-            raise ValueError("`max_consecutive_skips` must be None or an int >= 1, got "
-                             f"{max_consecutive_skips!r}.")
+        if max_consecutive_skips is not None:
+            max_consecutive_skips = checks.count("max_consecutive_skips", max_consecutive_skips, 1)
         if not isinstance(layer_scales, bool):
             raise ValueError(f"`layer_scales` must be True or False, got {layer_scales!r}.")
         if tf.distribute.has_strategy():
@@ -231,9 +231,7 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
         Args:
             scale: the new scale, a finite number > 0.
         """
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-                or not 0 < scale < math.inf:
-            raise ValueError(f"`scale` must be a finite number > 0, got {scale!r}.")
+        scale = checks.positive("scale", scale)
         if not self.built:
             raise ValueError("set_loss_scale() needs a built optimizer: call it after the "
                              "first step or optimizer.build(variables).")
@@ -416,21 +414,8 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
                 "`max_consecutive_skips` needs a train step that is not XLA-compiled "
                 "(XLA drops assertions): compile the model with jit_compile=False, "
                 "or set max_consecutive_skips=None.")
-        names = [getattr(v, "path", v.name) for v in tvars]
-        limit = self.max_consecutive_skips
-
-        def fail():
-            # Formatted only when the limit is exceeded: string ops on every
-            # training step would cost time for a message rarely shown.
-            bad = tf.strings.reduce_join(
-                tf.boolean_mask(tf.constant(names), nonfinite > 0), separator=", ")
-            tf.debugging.Assert(False, [tf.strings.format(
-                "keras_mp.LossScaleOptimizer: {} consecutive steps had non-finite "
-                f"gradients (max_consecutive_skips={limit}); loss scale is now {{}}. "
-                "Non-finite gradients in: {}",
-                (consecutive, self.loss_scale, bad))], summarize=1)
-
-        ops.cond(consecutive > limit, fail, lambda: None)
+        skips.check(consecutive, nonfinite, [getattr(v, "path", v.name) for v in tvars],
+                    self.max_consecutive_skips, self.loss_scale)
 
     # -- serialization ----------------------------------------------------
 

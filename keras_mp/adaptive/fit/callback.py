@@ -145,12 +145,12 @@ class AdaptivePrecision(keras.callbacks.Callback):
                  first_decision: int | None = 20, log_dir: str | None = None,
                  verbose: int = 0, history_logs: bool = True):
         super().__init__()
-        checks.count("interval", interval, 1)
+        interval = checks.count("interval", interval, 1)
         if statistics_every is None:
             # Five samples per decision, and never fewer than one step in 20
             # (the overhead budget: `python -m benchmarks.adaptive_overhead`).
             statistics_every = min(20, max(1, interval // 5))
-        checks.count("statistics_every", statistics_every, 1, interval)  # in [1, interval]
+        statistics_every = checks.count("statistics_every", statistics_every, 1, interval)
         if probe_every == "auto":
             probe_every = 2 * interval
         if probe_every is not None and (isinstance(probe_every, bool)
