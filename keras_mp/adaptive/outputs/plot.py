@@ -215,7 +215,8 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
         dpi: the resolution of the file written, an int in [50, 600].
 
     Returns:
-        The ``matplotlib.figure.Figure`` (a notebook shows it as a PNG).
+        The ``matplotlib.figure.Figure`` (a notebook shows it as a PNG), laid
+        out once, for its size: the labels are placed in that layout.
 
     Raises:
         ImportError: matplotlib is not installed.
