@@ -339,7 +339,12 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
             nonfinite, bad = nonfinite[:-1], ops.greater(nonfinite[-1], 0)
         finite = ops.equal(ops.sum(nonfinite), 0)
         if guard is not None:
-            guard.decided(finite, bad)
+            # A skip while a dynamic scale is above its floor is the scaler's
+            # routine (it backs off and goes on); the guard counts the others.
+            floor = getattr(self.schedule, "min_scale", None) if self.schedule.is_dynamic \
+                else None
+            guard.decided(finite, bad, None if floor is None else
+                          ops.greater(ops.cast(scale, "float32"), float(floor) * (1 + 1e-6)))
         # Applied micro-batches (``iterations`` is a tensor under accumulation).
         step = ops.convert_to_tensor(self.inner_optimizer._iterations.value)
 

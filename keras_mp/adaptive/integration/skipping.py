@@ -29,9 +29,12 @@ data and ``keras.callbacks.TerminateOnNaN`` stops the run as it would under
 Keras; its evidence counts for no layer (no promotion comes of it), and the
 loss scale neither backs off nor grows. A step skipped for an overflow of its
 own (float16 gradients at a loss scale too high) logs its finite loss, as
-under Keras's ``mixed_float16``, and does not stop the run. Skipped steps are counted
-per epoch and warned about once per epoch (how many, the first, how many were
-bad data; :class:`SkipReport`). ``keras_mp.config.set_skip_nonfinite(False)``
+under Keras's ``mixed_float16``, and does not stop the run. Skipped steps are
+counted per epoch and warned about once per epoch (how many, the first, how
+many were bad data; :class:`SkipReport`), but for the skips a dynamic loss
+scale makes routinely above its floor (it backs off and goes on: a few per
+thousand steps, and its first steps): those the optimizer counts
+(``skipped_steps``, in the report). ``keras_mp.config.set_skip_nonfinite(False)``
 turns all of it off (float16's loss scaling still skips, as Keras's does).
 
 Example:
@@ -115,7 +118,7 @@ class _Step:
         self.watched = watched
         self.saved: dict[int, tuple[Any, tf.Tensor]] = {}
         self.bad_data = bad
-        self.verdicts: list[tuple[tf.Tensor, tf.Tensor | None]] = []
+        self.verdicts: list[tuple[tf.Tensor, tf.Tensor | None, tf.Tensor | None]] = []
 
     def before_assign(self, variable) -> None:
         key = id(variable)
@@ -123,10 +126,12 @@ class _Step:
                 and tf.compat.v1.get_default_graph() is self.graph:
             self.saved[key] = (variable, tf.identity(variable._value.read_value()))
 
-    def decided(self, finite: tf.Tensor, bad: tf.Tensor | None) -> None:
+    def decided(self, finite: tf.Tensor, bad: tf.Tensor | None,
+                routine: tf.Tensor | None = None) -> None:
         """The optimizer's agreed flags for one ``apply``: all gradients
-        finite, and the batch bad data (None: not known)."""
-        self.verdicts.append((finite, bad))
+        finite, the batch bad data (None: not known), and a skip the dynamic
+        loss scale makes routinely, above its floor (None: never)."""
+        self.verdicts.append((finite, bad, routine))
 
     def restore(self) -> tf.Tensor:
         for variable, value in self.saved.values():
@@ -166,10 +171,15 @@ class _Guard:
             self.counts = tf.Variable(tf.zeros([6], tf.int64), trainable=False,
                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
-    def count(self, finite: tf.Tensor, bad: tf.Tensor | None) -> None:
+    def count(self, finite: tf.Tensor, bad: tf.Tensor | None,
+              routine: tf.Tensor | None = None) -> None:
+        """Counts one step; a routine skip of a dynamic loss scale (``routine``,
+        not on bad data) counts as a step, not as a skip."""
         c = self.counts.read_value()
         step = c[0] + 1
-        skipped = tf.cast(tf.logical_not(finite), tf.int64)
+        expected = tf.constant(False) if routine is None else routine if bad is None else \
+            tf.logical_and(routine, tf.logical_not(bad))
+        skipped = tf.cast(tf.logical_not(finite) & tf.logical_not(expected), tf.int64)
         bad = tf.zeros([], tf.int64) if bad is None else tf.cast(bad, tf.int64) * skipped
         first = tf.where((skipped > 0) & (c[3] == 0), step, c[3])
         self.counts.assign(tf.stack([step, c[1] + skipped, c[2] + bad, first, c[4] + skipped,
@@ -207,12 +217,14 @@ def _guarded(model: keras.Model, guard: _Guard):
                     holder.step_guard = None
             if not step.verdicts:
                 return logs  # nothing applied through keras-mp's optimizer
-            finite = tf.reduce_all(tf.stack([f for f, _ in step.verdicts]))
-            bads = [b for _, b in step.verdicts if b is not None]
+            finite = tf.reduce_all(tf.stack([f for f, _, _ in step.verdicts]))
+            bads = [b for _, b, _ in step.verdicts if b is not None]
+            routines = [r for _, _, r in step.verdicts if r is not None]
+            routine = tf.reduce_all(tf.stack(routines)) if routines else None
             bad = tf.reduce_any(tf.stack(bads)) if bads else None
             with tf.control_dependencies([t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]):
                 done = tf.cond(finite, lambda: tf.constant(False), step.restore)
-                guard.count(finite, bad)
+                guard.count(finite, bad, routine)
             with tf.control_dependencies([done]):
                 logs = tf.nest.map_structure(
                     lambda t: tf.identity(t) if tf.is_tensor(t) else t, logs)
