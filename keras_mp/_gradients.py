@@ -100,10 +100,27 @@ def _graph_of(fn: Callable[..., Any], depth: int = 3) -> tf.Graph | None:
     return None
 
 
-def _owners(graph: tf.Graph) -> dict[str, Any]:
-    """``graph``'s ops that look a custom gradient up, by registry name."""
+#: Where control flow keeps the graphs of its branches and bodies on its op.
+_NESTED = ("_true_graph", "_false_graph", "_branch_graphs", "_body_graph", "_cond_graph")
+
+
+def _owners(graph: tf.Graph, seen: set[int] | None = None) -> dict[str, Any]:
+    """``graph``'s ops that look a custom gradient up, by registry name, and
+    those of the graphs nested in it (a ``tf.cond``'s branches, a loop's
+    body): a custom gradient called there (``tf.distribute``'s all-reduce in
+    an update that a loss-scale optimizer applies under ``tf.cond``) holds the
+    outer graph's tensors, its op is in the branch."""
+    seen = set() if seen is None else seen
+    if id(graph) in seen:
+        return {}
+    seen.add(id(graph))
     found = {}
     for op in graph.get_operations():
+        for attr in _NESTED:
+            nested = getattr(op, attr, None)
+            for inner in (nested if isinstance(nested, (list, tuple)) else [nested]):
+                if isinstance(inner, tf.Graph):
+                    found.update(_owners(inner, seen))
         if op.type != "IdentityN":
             continue
         try:

@@ -63,6 +63,33 @@ def test_a_dropped_trace_with_fused_kernels_is_freed():
     assert not _registered() - before
 
 
+def test_a_custom_gradient_called_in_a_cond_branch_on_outer_tensors_is_freed():
+    """What keras-mp's loss-scale optimizer does on every step: the inner
+    update (and tf.distribute's all-reduce, a custom gradient, in it) runs in
+    a tf.cond branch, on gradients of the outer graph. The registration holds
+    the outer tensors while its op is in the branch."""
+    before = _registered()
+
+    @tf.custom_gradient
+    def passed_on(x):  # as tf.distribute's all-reduce with one replica: x itself
+        return x, lambda dy: dy
+
+    @tf.function
+    def step(x):
+        g = x * 2.0  # an outer tensor
+        return tf.cond(tf.reduce_all(tf.math.is_finite(g)), lambda: passed_on(g),
+                       lambda: tf.zeros_like(g))
+
+    assert float(step(tf.constant(1.0))) == 2.0
+    assert _registered() - before
+    assert _gradients.adopt() >= 1
+    graphs = [weakref.ref(c.graph) for c in step._list_all_concrete_functions()]
+    del step
+    gc.collect()
+    assert all(g() is None for g in graphs), "the trace is still held"
+    assert not _registered() - before
+
+
 def test_an_adopted_gradient_serves_its_live_graph():
     # A trace differentiated after its registration was handed over (an
     # outer tape around a traced function builds the backward pass lazily,

@@ -114,7 +114,7 @@ class _Step:
     and calls :meth:`decided` (its ``step_guard``)."""
 
     def __init__(self, watched: dict[int, Any], bad: tf.Tensor | None):
-        self.graph = tf.compat.v1.get_default_graph()
+        self.graph = id(tf.compat.v1.get_default_graph())  # an id: nothing held past the trace
         self.watched = watched
         self.saved: dict[int, tuple[Any, tf.Tensor]] = {}
         self.bad_data = bad
@@ -123,7 +123,7 @@ class _Step:
     def before_assign(self, variable) -> None:
         key = id(variable)
         if key in self.watched and key not in self.saved \
-                and tf.compat.v1.get_default_graph() is self.graph:
+                and id(tf.compat.v1.get_default_graph()) == self.graph:
             self.saved[key] = (variable, tf.identity(variable._value.read_value()))
 
     def decided(self, finite: tf.Tensor, bad: tf.Tensor | None,
@@ -132,6 +132,12 @@ class _Step:
         finite, the batch bad data (None: not known), and a skip the dynamic
         loss scale makes routinely, above its floor (None: never)."""
         self.verdicts.append((finite, bad, routine))
+
+    def forget(self) -> None:
+        """Drops what the trace made (its tensors), once the step is built:
+        nothing here may keep a trace alive after it (the execution trial
+        frees the traces of the modes it did not choose)."""
+        self.saved, self.verdicts, self.bad_data, self.watched = {}, [], None, {}
 
     def restore(self) -> tf.Tensor:
         for variable, value in self.saved.values():
@@ -225,6 +231,7 @@ def _guarded(model: keras.Model, guard: _Guard):
             with tf.control_dependencies([t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]):
                 done = tf.cond(finite, lambda: tf.constant(False), step.restore)
                 guard.count(finite, bad, routine)
+            step.forget()
             with tf.control_dependencies([done]):
                 logs = tf.nest.map_structure(
                     lambda t: tf.identity(t) if tf.is_tensor(t) else t, logs)
