@@ -10,6 +10,16 @@ global batch go to replica ``r`` of a MirroredStrategy), and only the layers
 
 from __future__ import annotations
 
+import collections
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -114,3 +124,323 @@ def two_replica_mirrored_strategy() -> tf.distribute.MirroredStrategy:
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     assert len(devices) == 2, devices
     return tf.distribute.MirroredStrategy(devices)
+
+
+# -- saves that fail half-way ----------------------------------------------------------------
+
+class DiskFull(keras.layers.Layer):
+    """Attached to a model (visited last when Keras saves it): its state
+    cannot be written, as when the disk fills up half-way through a save."""
+
+    def save_own_variables(self, store):
+        raise OSError(28, "No space left on device")
+
+
+def failing_midway(model: keras.Model) -> keras.Model:
+    """``model``, whose saves now fail after its variables are written."""
+    object.__setattr__(model, "_zz_disk_full", DiskFull())
+    return model
+
+
+class CutAfterWeights(keras.Sequential):
+    """A model whose ``save_weights``, once ``cut`` is set, fails after the
+    weights file is written: a process killed between BackupAndRestore's
+    weights and its metadata."""
+
+    cut = False
+
+    def save_weights(self, *args, **kwargs):
+        super().save_weights(*args, **kwargs)
+        if self.cut:
+            raise OSError("killed after the weights")
+
+
+def small_model(seed: int = 0, cls=keras.Sequential) -> keras.Model:
+    """A compiled ``3 -> 4 -> 1`` model trained one epoch (its optimizer built)."""
+    keras.utils.set_random_seed(seed)
+    model = cls([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((8, 3)), np.ones((8, 1)), verbose=0)
+    return model
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended (and was waited for)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+# -- processes killed with SIGKILL at seeded moments ---------------------------------------------
+#
+# A moment is ("save", n): the child kills itself in the middle of its n-th
+# save (tests/resume/train.py --kill-in-save), or ("time", s): the parent kills
+# it s seconds after it reported that training (or its save loop) started.
+# ``python -m tests.faults --kills 20`` is the stress run (docs/recovering.md).
+
+CHILD = Path(__file__).parent / "resume" / "train.py"
+CHILD_TIMEOUT_S = 300  # per process; ~15 s each on 2 busy cores
+
+
+def start_child(folder: Path, name: str, *args: str) -> subprocess.Popen:
+    """Starts the child script with ``args``; its output goes to ``folder/name.stderr``."""
+    log = open(folder / f"{name}.stderr", "a")
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), *args], stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+
+
+def stop_child(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def child_output(folder: Path, name: str) -> str:
+    return (folder / f"{name}.stderr").read_text()[-4000:]
+
+
+def wait_child(proc: subprocess.Popen, folder: Path, name: str) -> int:
+    """The child's exit status (-9 for SIGKILL); fails on a timeout or another error."""
+    try:
+        rc = proc.wait(timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        stop_child(proc)
+        raise AssertionError(f"{name} timed out:\n" + child_output(folder, name))
+    assert rc in (0, -signal.SIGKILL), f"{name} failed ({rc}):\n" + child_output(folder, name)
+    return rc
+
+
+def kill_after(proc: subprocess.Popen, started: Path, seconds: float, folder: Path,
+               name: str) -> bool:
+    """SIGKILLs ``proc`` ``seconds`` after it wrote ``started``; False if it ended first."""
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while not started.exists():
+        if proc.poll() is not None:
+            return False
+        assert time.monotonic() < deadline, f"{name} never started:\n" + child_output(folder, name)
+        time.sleep(0.05)
+    time.sleep(seconds)
+    if proc.poll() is not None:
+        return False
+    os.kill(proc.pid, signal.SIGKILL)
+    return proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def moments(seed: int, n: int, saves: int, seconds: float) -> list[tuple[str, float]]:
+    """``n`` kill moments, alternately in a save (``("save", k)``, k in
+    ``[1, saves]``) and at a time (``("time", s)``, s in ``[0, seconds)``)."""
+    rng = np.random.default_rng(seed)
+    return [("save", int(rng.integers(1, saves + 1))) if i % 2 == 0
+            else ("time", float(rng.uniform(0, seconds))) for i in range(n)]
+
+
+def _load_child_module():
+    spec = importlib.util.spec_from_file_location("tests_resume_train", CHILD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _child_model_with(weights: str):
+    """The child's model as a restore sees it (optimizer wrapped and built,
+    the state attached), with ``weights`` loaded."""
+    model, adaptive = _load_child_module().build()
+    adaptive.set_model(model)
+    if not model.optimizer.built:  # as BackupAndRestore does
+        model.optimizer.build(model.trainable_variables)
+    model.load_weights(weights)
+    return model
+
+
+def check_files(folder: Path) -> dict[str, int]:
+    """Loads every file the child wrote under ``folder`` (what a user would
+    load: ``.keras`` files, weights files, SavedModels, ``.tflite``/``.onnx``
+    files, pictures, and the backup the next restore reads); fails on any that
+    does not load. Temporaries of killed saves, and backup generations the
+    pointer does not name, are counted, not loaded: the next save or restore
+    removes them. Returns counts by kind."""
+    import onnx
+
+    from keras_mp import _atomic, _saves
+
+    counts: dict[str, int] = {}
+
+    def count(kind):
+        counts[kind] = counts.get(kind, 0) + 1
+
+    for root, dirs, files in os.walk(folder):
+        root = Path(root)
+        temporaries = set(_atomic.temporaries(str(root)))
+        pointer = _saves.read_pointer(str(root)) if _saves.POINTER in files else None
+        named = set() if pointer is None else {pointer["current"], pointer.get("previous")}
+        for d in list(dirs):
+            if d in temporaries or d.startswith("generation-"):
+                dirs.remove(d)  # named generations: loaded below, through the pointer
+                count("temporary" if d in temporaries else
+                      "generation" if d in named else "unnamed_generation")
+            elif (root / d / "saved_model.pb").exists():
+                dirs.remove(d)
+                served = tf.saved_model.load(str(root / d))  # held: serve needs its variables
+                served.serve(np.ones((1, FEATURES), "float32"))
+                count("saved_model")
+        for name in files:
+            path = root / name
+            if name in temporaries:
+                count("temporary")
+            elif name.endswith(".keras"):
+                keras.saving.load_model(path)
+                count("keras")
+            elif name.endswith(".weights.h5"):
+                _child_model_with(str(path))
+                count("weights")
+            elif name.endswith(".tflite"):
+                tf.lite.Interpreter(model_path=str(path)).allocate_tensors()
+                count("tflite")
+            elif name.endswith(".onnx"):
+                onnx.checker.check_model(onnx.load(str(path)))
+                count("onnx")
+            elif name.endswith(".png"):
+                assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+                count("png")
+            elif name == _saves.POINTER:
+                weights, metadata = _saves.backup_files(str(root))
+                _child_model_with(weights)
+                assert isinstance(json.loads(Path(metadata).read_text())["epoch"], int)
+                count("backup")
+    return counts
+
+
+def _left_by(folder: Path, pid: int) -> list[str]:
+    """What a killed save of process ``pid`` left: its temporaries, and
+    backup generations no pointer names yet."""
+    from keras_mp import _atomic, _saves
+
+    left = []
+    for root, dirs, _files in os.walk(folder):
+        left += [n for n in _atomic.temporaries(root) if f"-{pid}-" in n]
+        if _saves.POINTER in os.listdir(root) or any(d.startswith("generation-") for d in dirs):
+            pointer = _saves.read_pointer(root) or {}
+            left += [d for d in dirs if d.startswith("generation-")
+                     and d not in (pointer.get("current"), pointer.get("previous"))]
+    return left
+
+
+def fit_chain(folder: Path, kills: list[tuple[str, float]]) -> tuple[list[dict], dict]:
+    """Runs the child's ``fit`` (BackupAndRestore, ModelCheckpoint) once per
+    moment, killed then, each run resuming from what the last left, and once
+    more to the end; after each kill every file must load (:func:`check_files`).
+    Returns one record per kill and the final state (the child's ``--out``)."""
+    backup, checkpoints = folder / "backup", folder / "checkpoints"
+    checkpoints.mkdir(exist_ok=True)
+    args = ["--backup", str(backup), "--out", str(folder / "run.json"),
+            "--checkpoints", str(checkpoints)]
+    records = []
+    for i, (kind, at) in enumerate([*kills, ("end", 0)]):
+        started = folder / f"started-{i}"
+        extra = {"save": ["--kill-in-save", str(at)], "time": ["--started", str(started)],
+                 "end": []}[kind]
+        proc = start_child(folder, "run", *args, *extra)
+        try:
+            if kind == "time":
+                kill_after(proc, started, at, folder, "run")
+            killed = wait_child(proc, folder, "run") == -signal.SIGKILL
+        finally:
+            stop_child(proc)
+        if kind == "end":
+            assert not killed
+            break
+        files = collections.Counter(check_files(checkpoints)) + \
+            collections.Counter(check_files(backup))
+        records.append({"moment": (kind, at), "killed": killed,
+                        "left": _left_by(folder, proc.pid), "files": dict(files)})
+    return records, json.loads((folder / "run.json").read_text())
+
+
+def reference_run(folder: Path) -> tuple[dict, float]:
+    """The child's ``fit`` uninterrupted: its final state and the seconds
+    from the start of training to the end of the process."""
+    started = folder / "reference-started"
+    proc = start_child(folder, "reference", "--backup", str(folder / "reference_backup"),
+                       "--out", str(folder / "reference.json"), "--started", str(started))
+    try:
+        while not started.exists() and proc.poll() is None:
+            time.sleep(0.05)
+        begin = time.monotonic()
+        assert wait_child(proc, folder, "reference") == 0
+    finally:
+        stop_child(proc)
+    return json.loads((folder / "reference.json").read_text()), time.monotonic() - begin
+
+
+def save_loop_kills(folder: Path, kills: list[tuple[str, float]]) -> list[dict]:
+    """Starts the child's save loop once per moment (all in one folder, so
+    each run overwrites the files of the last) and kills it then: in its k-th
+    ``model.save``/``save_weights`` (``("save", k)``), or that fraction of its
+    first round's length into its second round (``("time", fraction)``);
+    after each kill every file must load. Returns one record per kill."""
+    records = []
+    saves = folder / "saves"
+    saves.mkdir(exist_ok=True)
+    for i, (kind, at) in enumerate(kills):
+        started = folder / f"loop-started-{i}"
+        extra = ["--kill-in-save", str(at)] if kind == "save" else []
+        proc = start_child(folder, "loop", "--save-loop", str(saves), "--started", str(started),
+                           *extra)
+        try:
+            if kind == "time":
+                while not started.exists():
+                    assert proc.poll() is None, "the loop ended:\n" + child_output(folder, "loop")
+                    time.sleep(0.05)
+                at = round(at * float(started.read_text()), 3)
+                killed = kill_after(proc, started, at, folder, "loop")
+            else:
+                killed = wait_child(proc, folder, "loop") == -signal.SIGKILL
+        finally:
+            stop_child(proc)
+        records.append({"moment": (kind, at), "killed": killed,
+                        "left": _left_by(saves, proc.pid), "files": check_files(saves)})
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The stress run: ``--kills`` SIGKILLs at seeded moments, half during
+    the child's ``fit`` (BackupAndRestore and ModelCheckpoint; one chain of
+    runs, each resuming from the last, then one to the end, whose final state
+    must equal an uninterrupted run's), half during its save loop."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="python -m tests.faults", description=main.__doc__)
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--folder", default=None, help="where the runs write (default: a new "
+                        "temporary folder, kept)")
+    args = parser.parse_args(argv)
+    if args.kills < 2:
+        parser.error(f"--kills must be at least 2, got {args.kills}")
+    folder = Path(args.folder or tempfile.mkdtemp(prefix="keras_mp_kills_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    reference, span = reference_run(folder)
+    child = _load_child_module()
+    fit_moments = moments(args.seed, args.kills - args.kills // 2,
+                          2 * child.SAVES_PER_EPOCH, span)
+    records, final = fit_chain(folder, fit_moments)
+    equal = {key: final.get(key) == value for key, value in reference.items()}
+    records += save_loop_kills(folder, moments(args.seed + 1, args.kills // 2, 4, 1.0))
+    for k, r in enumerate(records):
+        kind = "fit " if k < len(fit_moments) else "save"
+        print(f"{kind} kill {k + 1:2d} at {r['moment'][0]} {r['moment'][1]:<8g} "
+              f"killed={r['killed']!s:5} left={len(r['left'])} files={r['files']}")
+    killed = sum(r["killed"] for r in records)
+    mid_save = sum(bool(r["left"]) or r["moment"][0] == "save" for r in records if r["killed"])
+    print(f"{len(records)} moments, {killed} kills ({mid_save} inside a save), every file "
+          f"loaded after each; resumed run equal to the uninterrupted one: "
+          f"{all(equal.values())} ({', '.join(k for k, v in equal.items() if v)}); "
+          f"{time.monotonic() - began:.0f} s; folder {folder}")
+    return 0 if all(equal.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

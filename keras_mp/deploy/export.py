@@ -54,6 +54,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_mp._atomic import atomic_path
 from keras_mp._cloning import clone_with_weights
 from keras_mp.adaptive.evidence import float8
 
@@ -338,11 +339,7 @@ def _export_onnx(model: keras.Model, path: str, compute_dtype: str, output_dtype
             custom_op_handlers={"Erfc": (_erfc_as_one_minus_erf, [])})
     finally:
         logger.setLevel(level)
-    try:
-        _check_onnx(path, signature, modules)
-    except ValueError:
-        os.remove(path)  # no unloadable file left where the caller asked for one
-        raise
+    _check_onnx(path, signature, modules)  # before the file takes the caller's name
 
 
 def _check_onnx(path: str, signature: list[tf.TensorSpec], modules: dict[str, Any]) -> None:
@@ -375,7 +372,9 @@ def export(model: keras.Model, path: str | os.PathLike, format: str = "tf_saved_
         model: a built functional or Sequential Keras model: adaptive, fused
             (:func:`keras_mp.fuse`) or quantized.
         path: the SavedModel folder, the ``.tflite`` file for LiteRT, the
-            ``.onnx`` file for ONNX.
+            ``.onnx`` file for ONNX. Written beside it and moved into place
+            (:func:`keras_mp._atomic.atomic_path`): an earlier export there is
+            replaced whole, or kept whole if the export fails or is killed.
         format: one of :data:`FORMATS`.
         output_dtype: ``"float32"`` (default): outputs cast to float32;
             ``"compute"``: the model's own output dtype (SavedModel), the
@@ -387,12 +386,25 @@ def export(model: keras.Model, path: str | os.PathLike, format: str = "tf_saved_
 
     Raises:
         ValueError: a bad argument, LiteRT of a Keras-quantized model, or an
-            ONNX conversion that does not run in onnxruntime (the file is
-            removed).
+            ONNX conversion that does not run in onnxruntime (no file is
+            written), or a SavedModel ``path`` that is a folder holding other
+            files.
         ImportError: ONNX without the ``onnx`` extra (tf2onnx, onnx, onnxruntime).
     """
     _check(model, path, format, output_dtype, weights, compute_dtype, opset)
     path = os.fspath(path)
+    if format == "tf_saved_model" and os.path.isdir(path) and os.listdir(path) \
+            and not os.path.exists(os.path.join(path, "saved_model.pb")):
+        raise ValueError(f"`path` {path!r} is a folder with other files in it: export replaces "
+                         "the whole folder it writes; give a new or empty folder (or one an "
+                         "earlier export wrote).")
+    # Written beside `path` and moved into place: a kill leaves the old export or the new one.
+    with atomic_path(path, directory=format == "tf_saved_model") as tmp:
+        _export(model, tmp, format, output_dtype, weights, compute_dtype, opset)
+
+
+def _export(model: keras.Model, path: str, format: str, output_dtype: str,
+            weights: str | None, compute_dtype: str | None, opset: int | None) -> None:
     if format == "onnx":
         _export_onnx(model, path, compute_dtype or "float32", output_dtype, opset)
         return

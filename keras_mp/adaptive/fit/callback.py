@@ -41,7 +41,8 @@ loading process's global policy: :mod:`~keras_mp.adaptive.policy.saved_policy`) 
 variables of a small state object attached to the model (which
 ``save_weights``, ``ModelCheckpoint``, ``BackupAndRestore`` and
 ``tf.train.Checkpoint(model=...)`` save and load). When ``fit`` starts, those
-variables win if they differ from the policy: they were just restored.
+variables win if they differ from the policy: they were just restored, with the switch
+histories and timeline beside them (a finished run's backup: when ``fit`` ends).
 
 Example:
     >>> import keras, numpy as np, keras_mp
@@ -229,6 +230,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         object.__setattr__(self._stats, "hooks", hooks)
         self._state, created = attached(model, _STATE_ATTR, PrecisionState, self._paths,
                                         lambda: PrecisionState(self._paths))
+        self._state.bind(model, policy)  # its record goes into weights files
         self._calls = policy.calls if created and policy.loaded else self._calls  # steps go on
         if created or not self._state.restored(policy.candidates):
             # Otherwise a checkpoint was just loaded into the variables: keep
@@ -312,19 +314,15 @@ class AdaptivePrecision(keras.callbacks.Callback):
         return switching.layer_states(self._policy, self._paths)
 
     def _restore_from_variables(self) -> None:
-        """Adopts the state variables if they differ from the policy: a
-        checkpoint (e.g. ``BackupAndRestore``) was loaded into them."""
+        """Adopts the state variables (and the record a weights file brought) if they
+        differ from the policy's: a checkpoint (``BackupAndRestore``) was loaded."""
         states, calls = self._state.read(self._policy.candidates)
         self._calls = self._policy.calls = calls
-        if states == self._states():
-            return
-        changed = False
-        for layer, path, state in zip(self._layers, self._paths, states):
-            changed |= self._policy.dtype_of(path) != state.dtype
-            self._policy.assign(path, state.dtype)
-            switching.refresh(layer)
-            self._policy.record(path)["state"] = state.get_config()
-        if changed:
+        record = self._state.take_record()
+        if record is not None and record["timeline"] is not None:
+            timeline.restore(self.model, record["timeline"])
+        if switching.adopt(self._policy, self._paths, self._layers, states,
+                           None if record is None else record["history"]):
             self._rebuild()
 
     def _rebuild(self) -> None:
@@ -397,6 +395,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._inert:
             return
+        if not self._restored:  # no epoch ran: a backup of the finished run was restored
+            self._restore_from_variables()
         # Custom loops and later traces see the statistics on, as after set_model.
         if isinstance(self._optimizer, LossScaleOptimizer):
             self._optimizer.statistics_sink = self._stats.accumulate

@@ -33,6 +33,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_mp._atomic import atomic_path
 from keras_mp.adaptive.record import timeline as timeline_lib
 from keras_mp.adaptive.outputs.report import precision_report
 
@@ -144,7 +145,8 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
             :class:`keras_mp.callbacks.AdaptivePrecision`, which ``fit``
             adds by itself).
         path: where to write the picture (PNG, or any format matplotlib
-            writes, by the file's extension); None writes nothing.
+            writes, by the file's extension); None writes nothing. The file
+            is replaced whole or not at all (written beside it, then renamed).
         title: the title; None: the model's name and policy.
         dpi: the resolution of the file written, an int in [50, 600].
 
@@ -208,11 +210,23 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
     scale_ax.set_xlabel("step (train-function call)")
     scale_ax.set_xlim(0, end)
     if path is not None:
-        fig.savefig(os.fspath(path), dpi=dpi)
+        _write(fig, os.fspath(path), dpi)
     # A figure made without pyplot: IPython shows it through this, with or
     # without matplotlib's inline backend set up.
     fig._repr_png_ = functools.partial(_png, fig, dpi)
     return fig
+
+
+def _write(fig, path: str, dpi: int) -> None:
+    """Writes the picture whole or not at all (:func:`keras_mp._atomic.atomic_path`),
+    in the format of the file's extension; without one, matplotlib's default format
+    with its extension added, where matplotlib itself writes such a name."""
+    fmt = os.path.splitext(path)[1][1:]
+    if not fmt:
+        fmt = fig.canvas.get_default_filetype()
+        path = path.rstrip(".") + "." + fmt
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format=fmt)
 
 
 def _png(fig, dpi: int) -> bytes:
