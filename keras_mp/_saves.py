@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import re
@@ -76,39 +77,46 @@ def _local(path) -> bool:
 
 # -- model.save, save_weights, ModelCheckpoint ---------------------------------------------
 
-def _save_model(keras_save_model):
-    @functools.wraps(keras_save_model)
-    def save_model(model, filepath, weights_format="h5", zipped=True):
-        if not (zipped and _local(filepath) and os.fspath(filepath).endswith(".keras")):
-            return keras_save_model(model, filepath, weights_format, zipped)
-        with atomic_path(filepath) as tmp:
-            return keras_save_model(model, tmp, weights_format, zipped)
-    return save_model
+def _beside(applies, **forced):
+    """Wraps a Keras function ``f(model, filepath, ...)`` that writes ``filepath``:
+    where ``applies(arguments)``, it writes a temporary beside it that
+    :func:`atomic_path` moves into place (with ``forced`` arguments)."""
+    def wrap(keras_save):
+        signature = inspect.signature(keras_save)
+
+        @functools.wraps(keras_save)
+        def save(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = bound.arguments
+            if not _local(arguments["filepath"]) or not applies(arguments):
+                return keras_save(*args, **kwargs)
+            with atomic_path(arguments["filepath"]) as tmp:
+                return keras_save(**{**arguments, "filepath": tmp, **forced})
+        return save
+    return wrap
 
 
-def _save_weights_only(keras_save_weights_only):
-    @functools.wraps(keras_save_weights_only)
-    def save_weights_only(model, filepath, max_shard_size=None, objects_to_skip=None):
-        if max_shard_size is not None or not _local(filepath) or \
-                not os.fspath(filepath).endswith(".weights.h5"):
-            return keras_save_weights_only(model, filepath, max_shard_size, objects_to_skip)
-        with atomic_path(filepath) as tmp:
-            return keras_save_weights_only(model, tmp, None, objects_to_skip)
-    return save_weights_only
+def _ends(arguments, suffix: str) -> bool:
+    return os.fspath(arguments["filepath"]).endswith(suffix)
 
 
-def _save_model_to_hdf5(keras_save_model_to_hdf5):
-    @functools.wraps(keras_save_model_to_hdf5)
-    def save_model_to_hdf5(model, filepath, overwrite=True, include_optimizer=True):
-        if not _local(filepath) or (not overwrite and os.path.isfile(filepath)):
-            # An h5py.File, or Keras's question before overwriting.
-            return keras_save_model_to_hdf5(model, filepath, overwrite, include_optimizer)
-        folder = os.path.dirname(os.fspath(filepath))
-        if folder:
-            os.makedirs(folder, exist_ok=True)  # as Keras does
-        with atomic_path(filepath) as tmp:
-            return keras_save_model_to_hdf5(model, tmp, True, include_optimizer)
-    return save_model_to_hdf5
+def _legacy_h5(arguments) -> bool:
+    """Unless Keras is to ask before overwriting; makes the folder, as Keras does."""
+    path = os.fspath(arguments["filepath"])
+    if not arguments["overwrite"] and os.path.isfile(path):
+        return False
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    return True
+
+
+_SAVES = (  # (module, function, wrapper): sharded weights and folders go to Keras unchanged
+    (saving_lib, "save_model", _beside(lambda a: a["zipped"] and _ends(a, ".keras"))),
+    (saving_lib, "save_weights_only",
+     _beside(lambda a: a["max_shard_size"] is None and _ends(a, ".weights.h5"))),
+    (legacy_h5_format, "save_model_to_hdf5", _beside(_legacy_h5, overwrite=True)),
+)
 
 
 # -- BackupAndRestore ------------------------------------------------------------------------
@@ -233,9 +241,8 @@ def install(what: str) -> None:
     or ``"backups"`` (BackupAndRestore's generations); idempotent. Keras's own
     functions stay reachable as each wrapper's ``__wrapped__``."""
     if what == "saves":
-        _wrap(saving_lib, "save_model", _save_model)
-        _wrap(saving_lib, "save_weights_only", _save_weights_only)
-        _wrap(legacy_h5_format, "save_model_to_hdf5", _save_model_to_hdf5)
+        for module, name, wrapper in _SAVES:
+            _wrap(module, name, wrapper)
     elif what == "backups":
         cls = backup_and_restore.BackupAndRestore
         _wrap(cls, "_save_model", _backup)

@@ -1,6 +1,7 @@
 """keras_mp.plot_precision: the picture of a run, drawn from what
 AdaptivePrecision recorded (a float16 run whose input layer overflows)."""
 
+import os
 import sys
 
 import keras
@@ -88,3 +89,17 @@ def test_clear_errors(trained, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # not installed
     with pytest.raises(ImportError, match=r"keras-mp\[plot\]"):
         keras_mp.plot_precision(model)
+
+
+def test_the_picture_is_replaced_whole_or_not_at_all(trained, tmp_path):
+    """Written beside the file and renamed into place (keras_mp/_atomic.py); a
+    name without an extension gets matplotlib's default one, as matplotlib does."""
+    model, _ = trained
+    keras_mp.plot_precision(model, tmp_path / "precision.png")
+    keras_mp.plot_precision(model, tmp_path / "noext")
+    (tmp_path / "precision.xyz").write_text("old")
+    with pytest.raises(ValueError, match="xyz"):  # matplotlib has no such format
+        keras_mp.plot_precision(model, tmp_path / "precision.xyz")
+    assert (tmp_path / "precision.xyz").read_text() == "old"
+    assert sorted(os.listdir(tmp_path)) == ["noext.png", "precision.png", "precision.xyz"]
+    assert (tmp_path / "noext.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
