@@ -1,4 +1,4 @@
-"""Fault injection shared by the fault, distributed and resume tests.
+"""Fault injection shared by the fault, distributed, saving and resume tests.
 
 :class:`GradientFault` is an ordinary Keras layer: the identity in the
 forward pass, and in the backward pass it replaces the gradient of the rows
@@ -6,6 +6,18 @@ whose flag input is set with a non-finite value. Flags are data, so a fault
 can be placed at any step, on any replica (rows ``[r*b, (r+1)*b)`` of a
 global batch go to replica ``r`` of a MirroredStrategy), and only the layers
 *before* it get non-finite gradients: the variables to name in errors.
+
+Saves that fail half-way: :class:`DiskFull` (a model's state that cannot be
+written) and :class:`CutAfterWeights` (a model whose ``save_weights`` fails
+after writing, as a process killed between BackupAndRestore's two files).
+
+Processes killed with SIGKILL at seeded moments (``tests/resume/train.py`` is
+the child): :func:`fit_chain` kills a ``fit`` with ``BackupAndRestore`` and
+``ModelCheckpoint`` again and again, each run resuming from what the last
+left, :func:`save_loop_kills` a loop of ``model.save``, ``save_weights``,
+exports and pictures; after every kill :func:`check_files` loads every file on
+disk. ``python -m tests.faults --kills 20`` is the stress run (:func:`main`,
+docs/recovering.md).
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import keras
@@ -211,28 +224,31 @@ def wait_child(proc: subprocess.Popen, folder: Path, name: str) -> int:
     return rc
 
 
-def kill_after(proc: subprocess.Popen, started: Path, seconds: float, folder: Path,
-               name: str) -> bool:
-    """SIGKILLs ``proc`` ``seconds`` after it wrote ``started``; False if it ended first."""
+def kill_after(proc: subprocess.Popen, started: Path, delay, folder: Path,
+               name: str) -> tuple[bool, float]:
+    """SIGKILLs ``proc`` ``delay(text of started)`` seconds after it wrote
+    ``started``. Returns whether it was killed (not ended first), and the delay."""
     deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while not started.exists():
+    while not started.exists() or not started.read_text():
         if proc.poll() is not None:
-            return False
+            return False, 0.0
         assert time.monotonic() < deadline, f"{name} never started:\n" + child_output(folder, name)
         time.sleep(0.05)
+    seconds = delay(started.read_text())
     time.sleep(seconds)
     if proc.poll() is not None:
-        return False
+        return False, seconds
     os.kill(proc.pid, signal.SIGKILL)
-    return proc.wait(timeout=30) == -signal.SIGKILL
+    return proc.wait(timeout=30) == -signal.SIGKILL, seconds
 
 
-def moments(seed: int, n: int, saves: int, seconds: float) -> list[tuple[str, float]]:
-    """``n`` kill moments, alternately in a save (``("save", k)``, k in
+def moments(seed: int, saves: int, seconds: float) -> Iterator[tuple[str, float]]:
+    """Kill moments without end, alternately in a save (``("save", k)``, k in
     ``[1, saves]``) and at a time (``("time", s)``, s in ``[0, seconds)``)."""
     rng = np.random.default_rng(seed)
-    return [("save", int(rng.integers(1, saves + 1))) if i % 2 == 0
-            else ("time", float(rng.uniform(0, seconds))) for i in range(n)]
+    while True:
+        yield "save", int(rng.integers(1, saves + 1))
+        yield "time", float(rng.uniform(0, seconds))
 
 
 def _load_child_module():
@@ -319,41 +335,57 @@ def _left_by(folder: Path, pid: int) -> list[str]:
     left = []
     for root, dirs, _files in os.walk(folder):
         left += [n for n in _atomic.temporaries(root) if f"-{pid}-" in n]
-        if _saves.POINTER in os.listdir(root) or any(d.startswith("generation-") for d in dirs):
-            pointer = _saves.read_pointer(root) or {}
-            left += [d for d in dirs if d.startswith("generation-")
-                     and d not in (pointer.get("current"), pointer.get("previous"))]
+        pointer = _saves.read_pointer(root) or {}
+        left += [d for d in dirs if d.startswith("generation-")
+                 and d not in (pointer.get("current"), pointer.get("previous"))]
     return left
 
 
-def fit_chain(folder: Path, kills: list[tuple[str, float]]) -> tuple[list[dict], dict]:
-    """Runs the child's ``fit`` (BackupAndRestore, ModelCheckpoint) once per
-    moment, killed then, each run resuming from what the last left, and once
-    more to the end; after each kill every file must load (:func:`check_files`).
-    Returns one record per kill and the final state (the child's ``--out``)."""
+def _until_killed(folder: Path, name: str, args: list[str], moments: Iterable, kills: int,
+                  delay, check) -> list[dict]:
+    """Runs the child with ``args`` once per moment until ``kills`` runs were
+    killed: in their k-th save (``("save", k)``) or ``delay(at, started)``
+    seconds after they wrote ``--started`` (``("time", at)``); a run that ends
+    first counts as a moment missed. After each, ``check()`` loads the files."""
+    records, source = [], iter(moments)
+    while sum(r["killed"] for r in records) < kills:
+        assert len(records) < 3 * kills, f"most moments came after the run ended: {records}"
+        kind, at = next(source, (None, None))
+        assert kind is not None, f"ran out of moments: {records}"
+        started = folder / f"{name}-started-{len(records)}"
+        extra = ["--kill-in-save", str(at)] if kind == "save" else []
+        proc = start_child(folder, name, *args, "--started", str(started), *extra)
+        try:
+            if kind == "time":
+                killed, at = kill_after(proc, started, lambda text: delay(at, text), folder, name)
+            else:
+                killed = wait_child(proc, folder, name) == -signal.SIGKILL
+        finally:
+            stop_child(proc)
+        records.append({"moment": (kind, round(at, 3)), "killed": killed,
+                        "left": _left_by(folder, proc.pid), "files": check()})
+    return records
+
+
+def fit_chain(folder: Path, moments: Iterable, kills: int) -> tuple[list[dict], dict]:
+    """Runs the child's ``fit`` (BackupAndRestore, ModelCheckpoint) killed at
+    ``kills`` of the ``moments`` (``("time", s)``: ``s`` seconds after training
+    started), each run resuming from what the last left, then once to the end;
+    after each kill every file must load (:func:`check_files`). Returns one
+    record per moment and the final state (the child's ``--out``)."""
     backup, checkpoints = folder / "backup", folder / "checkpoints"
     checkpoints.mkdir(exist_ok=True)
     args = ["--backup", str(backup), "--out", str(folder / "run.json"),
             "--checkpoints", str(checkpoints)]
-    records = []
-    for i, (kind, at) in enumerate([*kills, ("end", 0)]):
-        started = folder / f"started-{i}"
-        extra = {"save": ["--kill-in-save", str(at)], "time": ["--started", str(started)],
-                 "end": []}[kind]
-        proc = start_child(folder, "run", *args, *extra)
-        try:
-            if kind == "time":
-                kill_after(proc, started, at, folder, "run")
-            killed = wait_child(proc, folder, "run") == -signal.SIGKILL
-        finally:
-            stop_child(proc)
-        if kind == "end":
-            assert not killed
-            break
-        files = collections.Counter(check_files(checkpoints)) + \
-            collections.Counter(check_files(backup))
-        records.append({"moment": (kind, at), "killed": killed,
-                        "left": _left_by(folder, proc.pid), "files": dict(files)})
+    records = _until_killed(
+        folder, "run", args, moments, kills, lambda at, _text: at,
+        lambda: dict(collections.Counter(check_files(checkpoints)) +
+                     collections.Counter(check_files(backup))))
+    proc = start_child(folder, "run", *args)
+    try:
+        assert wait_child(proc, folder, "run") == 0
+    finally:
+        stop_child(proc)
     return records, json.loads((folder / "run.json").read_text())
 
 
@@ -373,41 +405,24 @@ def reference_run(folder: Path) -> tuple[dict, float]:
     return json.loads((folder / "reference.json").read_text()), time.monotonic() - begin
 
 
-def save_loop_kills(folder: Path, kills: list[tuple[str, float]]) -> list[dict]:
-    """Starts the child's save loop once per moment (all in one folder, so
-    each run overwrites the files of the last) and kills it then: in its k-th
-    ``model.save``/``save_weights`` (``("save", k)``), or that fraction of its
-    first round's length into its second round (``("time", fraction)``);
-    after each kill every file must load. Returns one record per kill."""
-    records = []
+def save_loop_kills(folder: Path, moments: Iterable, kills: int) -> list[dict]:
+    """Runs the child's save loop killed at ``kills`` of the ``moments``
+    (``("time", f)``: ``f`` times its first round's length into its second
+    round), all in one folder, so each run overwrites the files of the last;
+    after each kill every file must load. Returns one record per moment."""
     saves = folder / "saves"
     saves.mkdir(exist_ok=True)
-    for i, (kind, at) in enumerate(kills):
-        started = folder / f"loop-started-{i}"
-        extra = ["--kill-in-save", str(at)] if kind == "save" else []
-        proc = start_child(folder, "loop", "--save-loop", str(saves), "--started", str(started),
-                           *extra)
-        try:
-            if kind == "time":
-                while not started.exists():
-                    assert proc.poll() is None, "the loop ended:\n" + child_output(folder, "loop")
-                    time.sleep(0.05)
-                at = round(at * float(started.read_text()), 3)
-                killed = kill_after(proc, started, at, folder, "loop")
-            else:
-                killed = wait_child(proc, folder, "loop") == -signal.SIGKILL
-        finally:
-            stop_child(proc)
-        records.append({"moment": (kind, at), "killed": killed,
-                        "left": _left_by(saves, proc.pid), "files": check_files(saves)})
-    return records
+    return _until_killed(folder, "loop", ["--save-loop", str(saves)], moments, kills,
+                         lambda at, text: at * float(text), lambda: check_files(saves))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The stress run: ``--kills`` SIGKILLs at seeded moments, half during
-    the child's ``fit`` (BackupAndRestore and ModelCheckpoint; one chain of
-    runs, each resuming from the last, then one to the end, whose final state
-    must equal an uninterrupted run's), half during its save loop."""
+    """The stress run: ``--kills`` SIGKILLs at seeded moments (a moment
+    that comes after its run ended is drawn again), half during the child's
+    ``fit`` (BackupAndRestore and ModelCheckpoint; one chain of runs, each
+    resuming from the last, then one to the end, whose final state must equal
+    an uninterrupted run's), half during its save loop. Every file on disk is
+    loaded after every kill."""
     import argparse
     import tempfile
 
@@ -423,23 +438,23 @@ def main(argv: list[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     reference, span = reference_run(folder)
-    child = _load_child_module()
-    fit_moments = moments(args.seed, args.kills - args.kills // 2,
-                          2 * child.SAVES_PER_EPOCH, span)
-    records, final = fit_chain(folder, fit_moments)
-    equal = {key: final.get(key) == value for key, value in reference.items()}
-    records += save_loop_kills(folder, moments(args.seed + 1, args.kills // 2, 4, 1.0))
-    for k, r in enumerate(records):
-        kind = "fit " if k < len(fit_moments) else "save"
-        print(f"{kind} kill {k + 1:2d} at {r['moment'][0]} {r['moment'][1]:<8g} "
-              f"killed={r['killed']!s:5} left={len(r['left'])} files={r['files']}")
-    killed = sum(r["killed"] for r in records)
-    mid_save = sum(bool(r["left"]) or r["moment"][0] == "save" for r in records if r["killed"])
-    print(f"{len(records)} moments, {killed} kills ({mid_save} inside a save), every file "
-          f"loaded after each; resumed run equal to the uninterrupted one: "
-          f"{all(equal.values())} ({', '.join(k for k, v in equal.items() if v)}); "
-          f"{time.monotonic() - began:.0f} s; folder {folder}")
-    return 0 if all(equal.values()) else 1
+    saves = 2 * _load_child_module().SAVES_PER_EPOCH  # a run's first two epochs
+    fit, final = fit_chain(folder, moments(args.seed, saves, span), args.kills - args.kills // 2)
+    loop = save_loop_kills(folder, moments(args.seed + 1, 4, 1.0), args.kills // 2)
+    for kind, records in (("fit", fit), ("save loop", loop)):
+        for r in records:
+            print(f"{kind:9} {r['moment'][0]} {r['moment'][1]:<7g} killed={r['killed']!s:5} "
+                  f"left={r['left']} loaded={r['files']}")
+    records = fit + loop
+    killed = [r for r in records if r["killed"]]
+    differ = [key for key, value in reference.items() if final.get(key) != value]
+    print(f"{len(records)} moments, {len(killed)} kills ({len(fit)} moments during fit, "
+          f"{len(loop)} during the save loop; {sum(bool(r['left']) for r in killed)} kills left "
+          "a half-written file or backup beside its target); every file on disk loaded after "
+          f"every kill; the resumed run's final state equals the uninterrupted run's: "
+          f"{not differ} ({len(reference)} items compared{', differ: ' if differ else ''}"
+          f"{', '.join(differ)}); {time.monotonic() - began:.0f} s, folder {folder}")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

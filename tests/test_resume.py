@@ -126,7 +126,7 @@ def test_sigkill_inside_saves_of_a_fit_then_resume_ends_as_uninterrupted(tmp_pat
     reference = faults.start_child(tmp_path, "reference", "--backup", str(tmp_path / "ref"),
                                    "--out", str(tmp_path / "reference.json"))
     try:
-        records, final = faults.fit_chain(tmp_path, [("save", 4), ("save", 5)])
+        records, final = faults.fit_chain(tmp_path, [("save", 4), ("save", 5)], kills=2)
         assert faults.wait_child(reference, tmp_path, "reference") == 0
     finally:
         faults.stop_child(reference)
@@ -152,7 +152,7 @@ def test_sigkill_inside_saves_of_a_fit_then_resume_ends_as_uninterrupted(tmp_pat
 
 def test_sigkill_inside_a_model_save_loop_leaves_every_file_loadable(tmp_path):
     """The loop's 3rd save: its second model.save, over the first one's file."""
-    [record] = faults.save_loop_kills(tmp_path, [("save", 3)])
+    [record] = faults.save_loop_kills(tmp_path, [("save", 3)], kills=1)
     assert record["killed"]
     assert [n.split(".tmp-")[0] for n in record["left"]] == [".model.keras"], record
     assert record["files"] == {"keras": 1, "weights": 1, "saved_model": 1, "tflite": 1,
