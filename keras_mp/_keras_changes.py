@@ -127,9 +127,12 @@ ON_IMPORT: tuple[Change, ...] = (
            "a loaded model gets back the one adaptive policy it was saved with, whatever the "
            "global policy; a layer made with an adaptive policy keeps its auto config",
            "3.15.1", "keras_mp.adaptive.policy.saved_policy", _saved_policy),
-    Change("rescues", "feature", ("keras:layers.Layer.__call__", "keras:Model.compute_metrics"),
+    Change("rescues", "feature",
+           ("keras:layers.Layer.__call__", "keras:layers.Layer.add_loss",
+            "keras.layers:Normalization.adapt", "keras:Model.compute_metrics"),
            "under an adaptive policy: integer inputs kept exact, dtypes mixed in a layer's call "
-           "resolved in float32, float32 predictions for top-k metrics",
+           "resolved in float32, activity penalties and add_loss terms in float32, "
+           "Normalization.adapt's statistics in float32, float32 predictions for top-k metrics",
            "3.15.1", "keras_mp.adaptive.integration.rescue",
            _call("keras_mp.adaptive.integration.rescue", "install")),
     Change("default_policy_names", "feature",
@@ -139,6 +142,12 @@ ON_IMPORT: tuple[Change, ...] = (
            "entry's name ('mixed_float16'), not an adaptive name Keras cannot parse",
            "3.15.1", "keras_mp.adaptive.policy.adaptive_policy",
            _call("keras_mp.adaptive.policy.adaptive_policy", "patch_default_names")),
+    Change("skipped_steps_keep_state", "feature",
+           ("keras.src.backend.tensorflow.core:Variable._direct_assign",),
+           "while a guarded train step traces, each variable the forward pass or the metrics "
+           "assign is read first, so that a step skipped for non-finite gradients puts it back",
+           "3.15.1", "keras_mp.adaptive.integration.skipping",
+           _call("keras_mp.adaptive.integration.skipping", "install")),
     Change("float8_layers", "feature",
            ("keras.layers:Dense._float8_call", "keras.layers:EinsumDense._float8_call"),
            "a layer holding keras-mp's Float8Policy trains in float8 only while the controller "
@@ -147,8 +156,8 @@ ON_IMPORT: tuple[Change, ...] = (
            _call("keras_mp.adaptive.evidence.float8", "install")),
 )
 
-#: What keras-mp wraps on single objects while a model adapts (through
-#: :mod:`keras_mp._installed`; Keras's classes are left as they are).
+#: What keras-mp wraps on single objects while a model under an adaptive policy
+#: trains (through :mod:`keras_mp._installed`; Keras's classes are left as they are).
 PER_INSTANCE: tuple[Change, ...] = (
     Change("forward_statistics", "instance", ("keras:layers.Layer.call",),
            "each controlled layer's call records its forward statistics on statistics steps "
@@ -172,10 +181,15 @@ PER_INSTANCE: tuple[Change, ...] = (
                                          "keras:optimizers.SGD.update_step"),
            "Adam, AdamW and SGD updates run as TensorFlow's fused kernels (ResourceApplyAdam...)",
            "3.15.1", "keras_mp.execution.native_update"),
+    Change("skip_guard", "instance", ("keras:Model.train_step",),
+           "a step the optimizer skips for non-finite gradients puts back what it assigned "
+           "(moving statistics, metric totals), under every adaptive policy",
+           "3.15.1", "keras_mp.adaptive.integration.skipping"),
     Change("loss_scale_optimizer", "instance", ("keras:Model.compile",),
-           "with float16 among the candidates the optimizer compile set (model.optimizer) is "
-           "replaced by keras-mp's LossScaleOptimizer around it (Keras wraps only under the "
-           "policy name mixed_float16)",
+           "under an adaptive policy the optimizer compile set (model.optimizer) is replaced "
+           "by keras-mp's LossScaleOptimizer around it: a dynamic loss scale where float16 is "
+           "a candidate (Keras wraps only under the policy name mixed_float16), else a fixed "
+           "scale of 1 that skips non-finite steps",
            "3.15.1", "keras_mp.adaptive.integration.optimizer_setup"),
 )
 

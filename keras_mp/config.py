@@ -6,6 +6,7 @@
 | the least a fit must be able to save for ``fit`` to adapt it | :func:`set_min_saving` | 0.5 s |
 | XLA for a kind of work (``"matmul"``, ``"elementwise"``, ...) | :func:`set_xla` | measured |
 | a model's execution mode (graph, ``xla_update``, ``xla``) | :func:`set_execution` | measured |
+| adaptive fits skip steps whose gradients are not finite | :func:`set_skip_nonfinite` | on |
 
 Environment variables, read when used: ``KERAS_MP_EXECUTION`` (the
 execution mode of every model: ``auto``, ``graph``, ``xla_update``, ``xla``,
@@ -29,10 +30,11 @@ from __future__ import annotations
 from typing import Any
 
 from keras_mp.adaptive.fit import autofit
+from keras_mp.adaptive.integration import skipping
 from keras_mp.device import xla
 
 __all__ = ["autofit_enabled", "min_saving", "set_autofit", "set_execution", "set_min_saving",
-           "set_xla", "uses_xla"]
+           "set_skip_nonfinite", "set_xla", "skip_nonfinite", "uses_xla"]
 
 
 def set_autofit(enabled: bool) -> None:
@@ -73,6 +75,31 @@ def set_min_saving(seconds: float) -> None:
 def min_saving() -> float:
     """The bound set by :func:`set_min_saving`."""
     return autofit.min_saving()
+
+
+def set_skip_nonfinite(enabled: bool) -> None:
+    """Whether ``fit`` under an adaptive policy skips a step whose gradients
+    are not finite and keeps everything as it was: weights, optimizer state,
+    moving statistics, metric totals (on by default;
+    :mod:`keras_mp.adaptive.integration.skipping`). Off, only float16's loss
+    scaling skips such steps, as Keras's does, and a model compiled afterwards
+    keeps its own optimizer where no float16 needs a loss scale.
+
+    Args:
+        enabled: True or False.
+
+    Example:
+        >>> import keras_mp
+        >>> keras_mp.config.set_skip_nonfinite(False); keras_mp.config.skip_nonfinite()
+        False
+        >>> keras_mp.config.set_skip_nonfinite(True)
+    """
+    skipping.set_enabled(enabled)
+
+
+def skip_nonfinite() -> bool:
+    """Whether adaptive fits skip non-finite steps (:func:`set_skip_nonfinite`)."""
+    return skipping.enabled()
 
 
 def set_xla(kind: str, enabled: bool | None) -> None:

@@ -85,8 +85,10 @@ def _clean_keras_state():
     keras.utils.set_random_seed(0)
     yield
     keras.mixed_precision.set_global_policy("float32")
-    # A test that makes fit adapt every model, however small, does not leak it.
+    # A test that makes fit adapt every model, however small, does not leak it,
+    # nor one that turns skipping off.
     autofit.set_min_saving(gain.START_UP_S)
+    keras_mp.config.set_skip_nonfinite(True)
 
 
 @pytest.fixture(autouse=True)

@@ -32,6 +32,7 @@ from keras.src.utils import tracking  # Keras's own LSO.build uses it too
 from keras_mp import distribute
 from keras_mp.scaling import kernels, layer_scales as layer_scales_lib
 from keras_mp.scaling import loss_scale as loss_scale_lib
+from keras_mp.scaling.keras_names import KerasNamesMixin
 from keras_mp.scaling.scaled_loss import ScaledLossCheck
 
 __all__ = ["LossScaleOptimizer"]
@@ -83,7 +84,7 @@ def _legacy_schedule(initial_scale, dynamic_growth_steps) -> loss_scale_lib.Dyna
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
+class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _KerasLSO):
     """Loss scaling with configurable schedules; a drop-in for
     ``keras.optimizers.LossScaleOptimizer`` (and an instance of it, so Keras's
     ``compile`` does not wrap it again).
@@ -203,6 +204,10 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
         # The gate, a callable or None (every step), returns in the step being
         # traced a scalar bool: the sink runs only where it is true.
         self.statistics_sink = self.statistics_gate = None
+        # Set while a guarded train step traces (keras_mp.adaptive.integration.
+        # skipping): its ``bad_data`` (a scalar bool, or None) says the batch
+        # itself was not finite, and ``decided(finite, bad)`` hears the verdict.
+        self.step_guard = None
         # A model's name: unscale only what its scale_loss scaled (scaled_loss).
         self.check_scaled_loss = None
         object.__setattr__(self, "_scaled_loss", ScaledLossCheck())
@@ -279,16 +284,6 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
             var = self._state_variables[key]
             var.assign(ops.cast(value, var.dtype))
 
-    @property
-    def dynamic_scale(self):
-        """Keras's name for the loss-scale variable."""
-        return self._state_variables.get("loss_scale")
-
-    @property
-    def step_counter(self):
-        """Keras's name for the finite-steps-since-growth counter."""
-        return self._state_variables.get("good_steps")
-
     # -- loss and gradient scaling ----------------------------------------
 
     def scale_loss(self, loss):
@@ -296,19 +291,6 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
         loss = ops.convert_to_tensor(loss)
         self._scaled_loss.scaled()
         return ops.multiply(loss, ops.cast(self.loss_scale, loss.dtype))
-
-    def get_scaled_loss(self, loss):
-        """:meth:`scale_loss`, for code migrating from ``tf.keras``: as there,
-        a callable ``loss`` gives a callable that returns the scaled loss."""
-        if callable(loss):
-            return lambda: self.scale_loss(loss())
-        return self.scale_loss(loss)
-
-    def get_unscaled_gradients(self, grads):
-        """Divides ``grads`` by the current loss scale (None stays None), for
-        code migrating from ``tf.keras``. :meth:`apply` unscales by itself; call
-        this only to inspect or clip gradients yourself."""
-        return kernels.unscale_and_check(list(grads), self.loss_scale)[0]
 
     # -- the step ---------------------------------------------------------
 
@@ -342,6 +324,8 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
         if self.layer_scales:
             factors, _ = self._variable_factors(tvars)
         total = scale if factors is None else scale * factors  # per gradient
+        guard = self.step_guard
+        bad = getattr(guard, "bad_data", None)
         if self.statistics_sink is None:
             unscaled, nonfinite = kernels.unscale_and_check(grads, total, return_mask=True)
         else:
@@ -356,30 +340,37 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
                 stats = tf.cond(on, lambda: kernels.gradient_statistics(grads, total),
                                 lambda: kernels.GradientStatistics(
                                     *[tf.zeros([len(grads)])] * len(kernels.STATISTICS)))
-            if factors is None:
-                self.statistics_sink(stats, scale, tvars)
-            else:
-                self.statistics_sink(stats, scale, tvars, factors=factors)
+            extra = {} if factors is None else {"factors": factors}
+            if bad is not None:  # a bad batch's evidence counts for no layer
+                extra["bad_data"] = bad
+            self.statistics_sink(stats, scale, tvars, **extra)
         # Variables that take the gradient as their new value (float8 scales)
         # are never loss-scaled.
         unscaled = [g if g is not None and self._overwrite_variable_with_gradient(v) else u
                     for g, u, v in zip(grads, unscaled, tvars)]
         nonfinite = ops.cast(nonfinite, "int32")
+        if bad is not None:  # agreed with the flags, in the same all-reduce
+            nonfinite = ops.concatenate([nonfinite, ops.reshape(ops.cast(bad, "int32"), [1])])
         ctx = tf.distribute.get_replica_context()
         if tf.distribute.has_strategy() and ctx.num_replicas_in_sync > 1:
             # Agree before deciding: a NaN on one replica skips the step everywhere.
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
+        if bad is not None:
+            nonfinite, bad = nonfinite[:-1], ops.greater(nonfinite[-1], 0)
         finite = ops.equal(ops.sum(nonfinite), 0)
+        if guard is not None:
+            guard.decided(finite, bad)
         # Applied micro-batches (``iterations`` is a tensor under accumulation).
         step = ops.convert_to_tensor(self.inner_optimizer._iterations.value)
 
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             ops.cond(finite, lambda: self._apply_inner(unscaled, trainable_variables),
                      lambda: None)
-            self._update_state(finite, nonfinite, step, tvars)
+            self._update_state(finite, nonfinite, step, tvars, bad)
         else:
             ctx.merge_call(self._merged_apply,
-                           args=(unscaled, trainable_variables, finite, nonfinite, step, tvars))
+                           args=(unscaled, trainable_variables, finite, nonfinite, step, tvars,
+                                 bad))
 
     def _build_outside_function(self, variables):
         with tf.init_scope():
@@ -391,10 +382,11 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
 
     def _merged_apply(self, distribution, grads, trainable_variables, finite, nonfinite,
-                      step, tvars):
+                      step, tvars, bad=None):
         # All replicas hold the same (all-reduced) flags; take the first.
         first = lambda x: distribution.experimental_local_results(x)[0]  # noqa: E731
         finite, nonfinite, step = first(finite), first(nonfinite), first(step)
+        bad = None if bad is None else first(bad)
 
         def apply_fn():
             distribution.extended.call_for_each_replica(
@@ -403,9 +395,12 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
         # The cond must run in cross-replica context: the inner optimizer's
         # apply calls merge_call, which a replica-context cond cannot contain.
         ops.cond(finite, apply_fn, lambda: None)
-        self._update_state(finite, nonfinite, step, tvars)
+        self._update_state(finite, nonfinite, step, tvars, bad)
 
-    def _update_state(self, finite, nonfinite, step, tvars):
+    def _update_state(self, finite, nonfinite, step, tvars, bad=None):
+        """The schedule's and the counters' next state. A step on bad data
+        (``bad``: the batch itself was not finite) leaves the scale as it was:
+        no back-off, no growth count."""
         state = {k: v.value for k, v in self._state_variables.items()}
         scale_finite = finite
         if self.layer_scales:
@@ -413,6 +408,8 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
             groups = [(self._scale_groups or [-1] * len(self._trainable_variables))[i]
                       for i in index]
             new_factors, scale_finite = layer_scales_lib.backoff(factors, nonfinite, groups)
+            if bad is not None:
+                new_factors = ops.where(bad, factors, new_factors)
             self.variable_scales.assign(tf.tensor_scatter_nd_update(
                 self.variable_scales.value, [[i] for i in index], new_factors))
         new_state = self.schedule.update(state, scale_finite, step)
@@ -422,7 +419,8 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, _KerasLSO):
                 f"{sorted(new_state)}, expected {sorted(state)}.")
         for key, value in new_state.items():
             var = self._state_variables[key]
-            var.assign(ops.cast(value, var.dtype))
+            value = ops.cast(value, var.dtype)
+            var.assign(value if bad is None else ops.where(bad, state[key], value))
         skipped = ops.cast(ops.logical_not(finite), "int64")
         self.skipped_steps.assign_add(skipped)
         consecutive = ops.where(finite, 0, self.consecutive_skips.value + 1)

@@ -191,11 +191,15 @@ def test_wraps_optimizer_with_dynamic_scaling_when_float16_is_a_candidate():
 
 def test_no_loss_scaling_without_float16_and_keras_lso_is_replaced():
     model = _small("adaptive_bfloat16")
+    compiled = model.optimizer
     cb = AdaptivePrecision(interval=2)
     model.fit(*_xy(), epochs=1, verbose=0, callbacks=[cb])
-    # bfloat16 needs no loss scale: the optimizer stays as compiled, and the
-    # gradients are observed on statistics steps only.
-    assert type(model.optimizer) is keras.optimizers.Adam
+    # bfloat16 needs no loss scale: a fixed scale of 1 around the compiled
+    # optimizer, only to skip non-finite steps; gradients observed on
+    # statistics steps only.
+    assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+    assert model.optimizer.schedule == loss_scale.FixedLossScale(1.0)
+    assert model.optimizer.inner_optimizer is compiled
     x, y = _xy()
     before = model._keras_mp_statistics.read().steps
     model.fit(x, y, batch_size=8, epochs=1, verbose=0,
@@ -211,6 +215,15 @@ def test_no_loss_scaling_without_float16_and_keras_lso_is_replaced():
     model.fit(*_xy(), epochs=1, verbose=0, callbacks=[AdaptivePrecision(interval=2)])
     assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
     assert isinstance(model.optimizer.inner_optimizer, keras.optimizers.SGD)
+    # With skipping off, bfloat16's optimizer stays as compiled, its apply observed.
+    keras_mp.config.set_skip_nonfinite(False)
+    try:
+        model = _small("adaptive_bfloat16")
+        compiled = model.optimizer
+        model.fit(*_xy(), epochs=1, verbose=0, callbacks=[AdaptivePrecision(interval=2)])
+        assert model.optimizer is compiled
+    finally:
+        keras_mp.config.set_skip_nonfinite(True)
 
 
 def test_rebuilds_train_function_only_when_a_dtype_changes_and_keeps_optimizer_state():

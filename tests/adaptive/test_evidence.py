@@ -447,15 +447,26 @@ def test_custom_loop_gets_forward_statistics_and_probes():
     assert interval.probe_steps == 1 and interval.layers[0].probe_steps == 1
 
 
-def test_float32_only_runs_nothing():
+def test_float32_only_runs_nothing_but_the_skip():
     model = _small(keras_mp.AdaptivePolicy(candidates=("float32",)))
     optimizer = model.optimizer
     cb = AdaptivePrecision(interval=2, statistics_every=1)
     model.fit(*_xy(), batch_size=8, epochs=2, verbose=0, callbacks=[cb])
-    assert model.optimizer is optimizer  # no loss-scale wrapper
     assert not hasattr(model, "_keras_mp_hooks") and not hasattr(model, "_keras_mp_statistics")
-    assert "train_step" not in model.__dict__  # Keras's own train step, unwrapped
     assert cb.events == []
+    # What runs is the skip of non-finite steps: a fixed scale of 1, the guarded step.
+    assert model.optimizer.inner_optimizer is optimizer
+    assert model.optimizer.schedule == keras_mp.FixedLossScale(1.0)
+    assert "train_step" in model.__dict__
+    keras_mp.config.set_skip_nonfinite(False)
+    try:
+        model = _small(keras_mp.AdaptivePolicy(candidates=("float32",)))
+        optimizer = model.optimizer
+        model.fit(*_xy(), batch_size=8, epochs=2, verbose=0, callbacks=[AdaptivePrecision()])
+        assert model.optimizer is optimizer  # no loss-scale wrapper
+        assert "train_step" not in model.__dict__  # Keras's own train step, unwrapped
+    finally:
+        keras_mp.config.set_skip_nonfinite(True)
 
 
 def test_the_global_policy_is_enough(adapt_every_fit):
@@ -507,7 +518,7 @@ def test_automatic_adaptation_can_be_turned_off_with_a_warning():
         assert autofit.callback_of(model) is None
     finally:
         autofit.set_enabled(True)
-    with pytest.raises(TypeError, match="`value`"):
+    with pytest.raises(TypeError, match="`enabled`"):
         autofit.set_enabled("no")
 
 

@@ -18,6 +18,9 @@ run):
    reference, divided by sqrt(2), stands for a half batch against the whole
    one: sampling noise shrinks as one over the square root of the rows).
 
+Each pass's loss is ``compute_loss``'s, with every ``add_loss``, activity and
+weight regularization term the train step's loss holds.
+
 Memory: half the rows in float32 hold about as many bytes as the whole batch
 in a 16-bit dtype, and the passes run one after another (control
 dependencies), the real step after them in a call of its own
@@ -105,10 +108,18 @@ class ProbeResult(NamedTuple):
 
 
 def _loss_and_grads(model, x, y, sample_weight, scale, tvars, factors=None):
-    from keras.src.backend.common.stateless_scope import StatelessScope
-
-    with StatelessScope():  # nothing is applied: weights, slots, statistics, seeds
-        with tf.GradientTape() as tape:
+    """The loss ``compute_loss`` returns on the batch, every ``add_loss``,
+    activity and weight regularization term in it, and its gradients, inside
+    a ``StatelessScope``: nothing is applied (weights, slots, statistics,
+    seeds). Keras reads a regularized weight from the scope (None where the
+    scope holds no value for it), and keeps ``add_loss`` terms made in one
+    only when asked to collect them."""
+    regularized = [v for v in model.trainable_weights if v.regularizer is not None]
+    with tf.GradientTape() as tape:
+        # Read inside the tape: the scope's values carry the gradients of the
+        # regularization terms to the variables.
+        values = [(v, v.value) for v in regularized]
+        with keras.StatelessScope(state_mapping=values, collect_losses=True):
             if model._call_has_training_arg:
                 y_pred = model(x, training=True)
             else:
@@ -117,7 +128,7 @@ def _loss_and_grads(model, x, y, sample_weight, scale, tvars, factors=None):
                                       training=True)
             loss = tf.cast(loss, tf.float32)
             scaled = loss * scale
-        grads = tape.gradient(scaled, tvars)
+    grads = tape.gradient(scaled, tvars)
     out = []
     for g, v in zip(grads, tvars):
         if g is None:

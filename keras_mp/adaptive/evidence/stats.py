@@ -237,7 +237,7 @@ class LayerStatistics(AttachedState):
                 self.forward_sums, self.probe_sums, self.probe_counters, self.backward_amax)
 
     def accumulate(self, stats: kernels.GradientStatistics, scale, variables, *,
-                   factors=None) -> None:
+                   factors=None, bad_data=None) -> None:
         """The optimizer's ``statistics_sink``: adds one step's statistics.
 
         Runs in replica context inside the train step; takes what
@@ -251,6 +251,9 @@ class LayerStatistics(AttachedState):
             factors: with per-layer loss scales, each variable's own factor
                 (``[len(variables)]``): a non-finite gradient whose factor is
                 above 1 is the per-layer scale's to fix, and does not count.
+            bad_data: a scalar bool, true where the step's batch itself held a
+                non-finite value (:mod:`keras_mp.adaptive.integration.skipping`):
+                such a step adds nothing, on any replica; None: not known.
         """
         n = len(self.paths)
         owner = [self._owner.get(variable_path(v), n) for v in variables]  # n: nobody's
@@ -284,11 +287,17 @@ class LayerStatistics(AttachedState):
             observed = tf.zeros([n])
         fwd = tf.transpose(fwd)  # [fields, n]
         k_max = len(forward.MAX_FIELDS)
-        (fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, backward) = agree([
+        data_bad = tf.zeros([1]) if bad_data is None else \
+            tf.reshape(tf.cast(bad_data, tf.float32), [1])
+        (fr, bad, amax, everywhere, scale, fwd_max, fwd_sum, observed, backward, data_bad) = agree([
             (fr, "mean"), (bad, "max"), (amax, "max"), (everywhere, "max"), (scale, "mean"),
-            (fwd[:k_max], "max"), (fwd[k_max:], "max"), (observed, "max"), (backward, "max")])
+            (fwd[:k_max], "max"), (fwd[k_max:], "max"), (observed, "max"), (backward, "max"),
+            (data_bad, "max")])
         step = tf.ones([1])
         on = self.hooks.statistics_on() if self.hooks is not None else None
+        if bad_data is not None:
+            good = data_bad[0] == 0.0
+            on = good if on is None else tf.logical_and(on, good)
         if on is not None:
             # A gated trace's plain step adds nothing (every quantity here
             # is accumulated by a sum or by a maximum with values >= 0).

@@ -25,6 +25,13 @@ start-up. :func:`set_min_saving` (0: adapt every fit) changes the bound.
 model trained without ``AdaptivePrecision`` keeps its precisions and a
 warning says so once.
 
+Every fit of a model under an adaptive policy, adapting or not (too small to
+gain, autofit off, float32 the only candidate), also skips the steps whose
+gradients are not finite, keeping everything as it was
+(:mod:`keras_mp.adaptive.integration.skipping`): the wrapper connects the
+optimizer as ``AdaptivePrecision`` would and guards the train step before
+Keras traces it.
+
 Example:
     >>> import keras, numpy as np, keras_mp
     >>> from keras_mp.adaptive.fit import autofit
@@ -55,7 +62,7 @@ import keras
 from keras_mp import _checks as checks
 from keras_mp import _installed
 from keras_mp.adaptive.decisions import gain
-from keras_mp.adaptive.integration import switching
+from keras_mp.adaptive.integration import optimizer_setup, skipping, step_functions, switching
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
 
 __all__ = ["callback_of", "enabled", "install", "min_saving", "set_enabled", "set_min_saving"]
@@ -121,18 +128,44 @@ def _settle(model: keras.Model, policy, layers, fit_arguments: dict) -> bool:
     return True
 
 
+def _added(callbacks, given: list, new):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.append(new)
+        return callbacks
+    return [*given, new]
+
+
+def _guarded(model: keras.Model, policy, callbacks, given: list, by_hand):
+    """Every fit of an adaptive model skips non-finite steps (skipping), from
+    its first step: the optimizer connected as AdaptivePrecision would (with
+    its ``loss_scale``), the train step guarded, and a report each epoch."""
+    if not skipping.enabled() or getattr(model, "optimizer", None) is None:
+        return callbacks
+    optimizer_setup.connect(model, policy, getattr(by_hand, "loss_scale", None),
+                            step_functions.keras_train_step(model))
+    skipping.guard(model)
+    if any(isinstance(cb, skipping.SkipReport) for cb in given):
+        return callbacks
+    return _added(callbacks, given, skipping.SkipReport())
+
+
 def _with_adaptive(model: keras.Model, callbacks, fit_arguments: dict):
 
     given = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) \
         else list(callbacks or [])
-    # Imported when a fit needs it: no AdaptivePrecision exists before its module is.
-    module = sys.modules.get("keras_mp.adaptive.fit.callback")
-    if module is not None and any(isinstance(cb, module.AdaptivePrecision) for cb in given):
-        return callbacks
     policy = policy_of(model)
     layers = adaptive_layers(model, policy) if policy is not None else []
     if not layers:
         return callbacks  # nothing to adapt (every layer quantized, say): Keras's fit
+    # Imported when a fit needs it: no AdaptivePrecision exists before its module is.
+    module = sys.modules.get("keras_mp.adaptive.fit.callback")
+    by_hand = next((cb for cb in given if module is not None
+                    and isinstance(cb, module.AdaptivePrecision)), None)
+    callbacks = _guarded(model, policy, callbacks, given, by_hand)
+    given = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) \
+        else list(callbacks or [])
+    if by_hand is not None:
+        return callbacks
     if not _state["enabled"]:
         if not _state["warned"]:
             _state["warned"] = True
@@ -151,10 +184,7 @@ def _with_adaptive(model: keras.Model, callbacks, fit_arguments: dict):
 
         cb = AdaptivePrecision(history_logs=False)  # History stays Keras's
         setattr(_installed.installed(model), _ATTR, cb)  # nothing Keras should track or save
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks.append(cb)
-        return callbacks
-    return [*given, cb]
+    return _added(callbacks, given, cb)
 
 
 def _keras_signature() -> inspect.Signature:

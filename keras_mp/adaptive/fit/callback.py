@@ -72,7 +72,7 @@ from keras_mp.adaptive.decisions import controller
 from keras_mp.adaptive.evidence import float8, probe as probe_lib
 from keras_mp.adaptive.evidence.hooks import Hooks
 from keras_mp.adaptive.evidence.stats import IntervalStats, LayerStatistics
-from keras_mp.adaptive.integration import optimizer_setup, step_functions, switching
+from keras_mp.adaptive.integration import optimizer_setup, skipping, step_functions, switching
 from keras_mp.adaptive.integration.loss_scales import LossScales
 from keras_mp.adaptive.outputs import tensorboard
 from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
@@ -262,19 +262,12 @@ class AdaptivePrecision(keras.callbacks.Callback):
             execution.start_up.expect(self.model, self._expected)
 
     def _connect_optimizer(self, model: keras.Model):
-        """Wraps the optimizer in a LossScaleOptimizer where loss scaling is
-        needed, or observes its ``apply``; returns the optimizer to use."""
-        opt = getattr(model, "optimizer", None)
-        if opt is None:
-            raise ValueError("AdaptivePrecision needs a compiled model (model.compile(...)) "
-                             "or, in a custom loop, model.optimizer set.")
+        """The optimizer the model adapts with (optimizer_setup.connect: a
+        LossScaleOptimizer where loss scaling or the skip of non-finite steps
+        needs one), connected to the statistics; returns it."""
+        opt = optimizer_setup.connect(model, self._policy, self.loss_scale,
+                                      step_functions.keras_train_step(model), skipping.enabled())
         sink = self._stats.accumulate
-        if not isinstance(opt, LossScaleOptimizer) and (
-                self._policy.uses_float16 or self.loss_scale is not None
-                or isinstance(opt, keras.optimizers.LossScaleOptimizer)):
-            opt = optimizer_setup.wrap_for_loss_scaling(
-                model, opt, self.loss_scale if self.loss_scale is not None else "dynamic",
-                self._policy.layer_loss_scales, step_functions.keras_train_step(model))
         if isinstance(opt, LossScaleOptimizer):
             self._stats.scale_floor = optimizer_setup.scale_floor(opt.schedule)
             opt.statistics_sink = sink

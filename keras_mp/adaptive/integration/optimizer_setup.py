@@ -19,16 +19,16 @@ from collections.abc import Callable
 
 import keras
 
-from keras_mp.scaling import loss_scale
+from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
-__all__ = ["scale_floor", "replace_optimizer", "rebuild_for_new_variables"]
+__all__ = ["scale_floor", "connect", "replace_optimizer", "rebuild_for_new_variables"]
 
 
-def scale_floor(schedule: loss_scale.LossScaleSchedule) -> float | None:
+def scale_floor(schedule: loss_scale_lib.LossScaleSchedule) -> float | None:
     """The smallest scale ``schedule`` reaches (None if unknown: every
     non-finite step then counts against the layers)."""
-    if not isinstance(schedule, loss_scale.LossScaleSchedule):
+    if not isinstance(schedule, loss_scale_lib.LossScaleSchedule):
         raise TypeError(f"`schedule` must be a keras_mp LossScaleSchedule, got {schedule!r}.")
     if not schedule.is_dynamic:
         return float(schedule.scale(schedule.initial_state()))
@@ -71,6 +71,35 @@ def wrap_for_loss_scaling(model: keras.Model, opt, schedule, layer_scales: bool,
     if not keras_train_step:
         new.check_scaled_loss = model.name
     return new
+
+
+def connect(model: keras.Model, policy, loss_scale=None, keras_train_step: bool = True,
+            skip_nonfinite: bool = True):
+    """The optimizer a model adapts with: the model's own, or a
+    :class:`keras_mp.LossScaleOptimizer` around it that replaces it. A
+    dynamic loss scale (or ``loss_scale``) where float16 is a candidate (or
+    the model was compiled with Keras's loss-scale wrapper); elsewhere, with
+    ``skip_nonfinite``, ``FixedLossScale(1.0)``: no loss scaling, only the
+    skip of a step whose gradients are not finite
+    (:mod:`keras_mp.adaptive.integration.skipping`). A keras-mp
+    ``LossScaleOptimizer`` the model has already is kept.
+
+    Raises:
+        ValueError: the model has no optimizer (not compiled).
+    """
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        raise ValueError("AdaptivePrecision needs a compiled model (model.compile(...)) "
+                         "or, in a custom loop, model.optimizer set.")
+    if isinstance(opt, LossScaleOptimizer):
+        return opt
+    if policy.uses_float16 or loss_scale is not None \
+            or isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        return wrap_for_loss_scaling(model, opt, "dynamic" if loss_scale is None else loss_scale,
+                                     policy.layer_loss_scales, keras_train_step)
+    if skip_nonfinite:
+        return wrap_for_loss_scaling(model, opt, loss_scale_lib.FixedLossScale(1.0), False, True)
+    return opt
 
 
 def per_layer(model: keras.Model, policy, opt) -> bool:

@@ -1,7 +1,7 @@
 """What breaks Keras's mixed precision, handled under an adaptive policy.
 
 Code that trains in float32 can fail under Keras's ``mixed_bfloat16`` /
-``mixed_float16`` in three ways (docs/when_keras_fails.md has the examples).
+``mixed_float16`` in several ways (docs/when_keras_fails.md has the examples).
 Under an :class:`keras_mp.AdaptivePolicy` each is a rule, applied where Keras
 casts or calls, and recorded in the layer's record (so
 :func:`keras_mp.precision_report` shows it):
@@ -78,6 +78,10 @@ RULES = {
     "dtype_mismatch": "its call mixed a float32 tensor with a 16-bit one: it computes in "
                       "float32",
     "float32_metric": "its TensorFlow op takes float32 only: it gets float32 predictions",
+    "float32_loss": "its activity penalty (or add_loss term) is computed in float32, where "
+                    "the float32 loss adds it",
+    "float32_adapt": "Normalization.adapt computed its mean and variance in float32, not in "
+                     "its 16-bit compute dtype",
 }
 
 #: Keras's metric functions whose ops take float32 only (tf.math.in_top_k).
@@ -211,7 +215,43 @@ def _promote(layer: keras.layers.Layer, policy: AdaptivePolicy) -> bool:
     return moved
 
 
-def _call_keras(layer, exact: bool, args, kwargs):
+def _float32_term(loss):
+    """A 16-bit loss term in float32 (anything else as it is)."""
+    if tf.is_tensor(loss) and loss.dtype in (tf.bfloat16, tf.float16):
+        return tf.cast(loss, tf.float32)
+    return loss
+
+
+@contextlib.contextmanager
+def _activity_in_float32(layer: keras.layers.Layer, policy: AdaptivePolicy) -> Iterator[None]:
+    """Inside the block, ``layer``'s activity regularizer reads its 16-bit
+    outputs in float32 (Keras calls it in ``__call__``, after ``call``)."""
+    current = layer.__dict__.get("activity_regularizer")
+    if current is None:
+        yield
+        return
+    regularizer = getattr(current, "keras_regularizer", current)   # never a wrapper's wrapper
+
+    def in_float32(output):
+        widened = _float32_term(output)
+        if widened is not output:
+            _note(policy, layer, "float32_loss")
+        return regularizer(widened)
+    in_float32.keras_regularizer = regularizer
+    # Not Keras's __setattr__: the swap is not state to track (or to save).
+    object.__setattr__(layer, "activity_regularizer", in_float32)
+    try:
+        yield
+    finally:
+        object.__setattr__(layer, "activity_regularizer", regularizer)
+
+
+def _call_keras(layer, policy: AdaptivePolicy, exact: bool, args, kwargs):
+    with _activity_in_float32(layer, policy):
+        return _call_exact(layer, exact, args, kwargs)
+
+
+def _call_exact(layer, exact: bool, args, kwargs):
     if not exact:
         return _keras["call"](layer, *args, **kwargs)
     # Input conversion off for this call: float32 ids reach call() unrounded
@@ -239,12 +279,12 @@ def _adaptive_call(layer: keras.layers.Layer, policy: AdaptivePolicy, args, kwar
                 "(bfloat16 rounds ids above 256): give the model's input "
                 "dtype='int32' (keras.Input(shape, dtype='int32')).", stacklevel=3)
     try:
-        out = _call_keras(layer, exact, args, kwargs)
+        out = _call_keras(layer, policy, exact, args, kwargs)
     except _ERRORS as e:
         if not is_dtype_mismatch(e) or not _promote(layer, policy):
             raise
         try:
-            out = _call_keras(layer, exact, args, kwargs)
+            out = _call_keras(layer, policy, exact, args, kwargs)
         except _ERRORS as again:
             if not is_dtype_mismatch(again):
                 raise
@@ -278,6 +318,30 @@ def _layer_call(self, *args, **kwargs):
     if not isinstance(policy, AdaptivePolicy) or isinstance(self, keras.layers.InputLayer):
         return _keras["call"](self, *args, **kwargs)
     return _adaptive_call(self, policy, args, kwargs)
+
+
+def _add_loss(self, loss):
+    """Keras's ``add_loss``, its 16-bit terms cast to float32 under an adaptive policy."""
+    policy = getattr(self, "_dtype_policy", None)
+    if isinstance(policy, AdaptivePolicy):
+        terms = keras.tree.flatten(loss)     # as Keras's add_loss reads it
+        loss = [_float32_term(t) for t in terms]
+        if not isinstance(self, keras.Model) and any(a is not b for a, b in zip(loss, terms)):
+            _note(policy, self, "float32_loss")
+    return _keras["add_loss"](self, loss)
+
+
+def _adapt(self, data, *args, **kwargs):
+    """Keras's ``Normalization.adapt``, in float32 under an adaptive policy."""
+    policy = getattr(self, "_dtype_policy", None)
+    if not isinstance(policy, AdaptivePolicy):
+        return _keras["adapt"](self, data, *args, **kwargs)
+    with policy.overriding({_path(self): "float32"}):
+        out = _keras["adapt"](self, data, *args, **kwargs)
+    self.finalize_state()   # the mean and variance it holds, cast to its compute dtype
+    if self.compute_dtype in _NARROW:
+        _note(policy, self, "float32_adapt")
+    return out
 
 
 # -- metrics ---------------------------------------------------------------
@@ -339,11 +403,16 @@ def _compute_metrics(self, x, y, y_pred, sample_weight=None):
 
 
 def install() -> None:
-    """Wraps ``keras.layers.Layer.__call__`` and ``keras.Model.compute_metrics``
+    """Wraps ``keras.layers.Layer.__call__``, ``keras.layers.Layer.add_loss``,
+    ``keras.layers.Normalization.adapt`` and ``keras.Model.compute_metrics``
     (once; a second call does nothing)."""
     if _keras:
         return
     _keras["call"] = keras.layers.Layer.__call__
+    _keras["add_loss"] = keras.layers.Layer.add_loss
+    _keras["adapt"] = keras.layers.Normalization.adapt
     _keras["compute_metrics"] = keras.Model.compute_metrics
     keras.layers.Layer.__call__ = _layer_call
+    keras.layers.Layer.add_loss = _add_loss
+    keras.layers.Normalization.adapt = _adapt
     keras.Model.compute_metrics = _compute_metrics

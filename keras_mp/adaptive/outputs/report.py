@@ -25,12 +25,16 @@ from typing import Any
 
 import keras
 
-from keras_mp.adaptive.integration import rescue
+from keras_mp.adaptive.integration import rescue, skipping
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
 
 __all__ = ["COLUMNS", "PrecisionReport", "precision_report"]
 
 NOT_MEASURED = "n/m"
+
+#: The rules a layer's history cell shows, as it names them.
+_RULE_LABELS = {"integer_input": "exact input", "float32_loss": "float32 penalty",
+                "float32_adapt": "float32 statistics"}
 
 #: ``(stats key, column title, which evidence, legend)`` for the table.
 COLUMNS: tuple[tuple[str, str, str, str], ...] = (
@@ -109,18 +113,25 @@ class PrecisionReport:
             ``"integer_input"``).
         metrics_in_float32: the compiled metrics that get float32 predictions
             (the ``float32_metric`` rule of :mod:`keras_mp.adaptive.integration.rescue`).
+        skipped_steps: steps whose gradients were not finite and that changed
+            nothing (the optimizer's count, saved with it), or None.
+        bad_data_steps: of those, the steps whose batch itself was not finite,
+            in this process (:mod:`keras_mp.adaptive.integration.skipping`), or None.
     """
 
     policy: str
     candidates: tuple[str, ...]
     rows: tuple[dict[str, Any], ...]
     metrics_in_float32: tuple[str, ...] = ()
+    skipped_steps: int | None = None
+    bad_data_steps: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The structured form (JSON-serializable)."""
         return {"policy": self.policy, "candidates": list(self.candidates),
                 "layers": [dict(r) for r in self.rows],
-                "metrics_in_float32": list(self.metrics_in_float32)}
+                "metrics_in_float32": list(self.metrics_in_float32),
+                "skipped_steps": self.skipped_steps, "bad_data_steps": self.bad_data_steps}
 
     def dtypes(self) -> dict[str, str]:
         """Layer path -> adaptive dtype (``"float8"`` or the compute dtype)."""
@@ -144,8 +155,8 @@ class PrecisionReport:
             stats, measured = r["stats"] or {}, r["measured"]
             history = ", ".join([f"{h['old']}->{h['new']}@{h['step']} ({h['reason']})"
                                  for h in r["history"]]
-                                + [f"exact input ({rule})" for rule in r.get("rules", ())
-                                   if rule == "integer_input"])
+                                + [f"{_RULE_LABELS[rule]} ({rule})"
+                                   for rule in r.get("rules", ()) if rule in _RULE_LABELS])
             cells = [r["layer"], r["class"], r["dtype"],
                      *(_cell(stats.get(key) if measured[kind] else None)
                        for key, _, kind, _ in columns),
@@ -154,6 +165,10 @@ class PrecisionReport:
         if self.metrics_in_float32:
             lines.append("metrics given float32 predictions (float32_metric): "
                          + ", ".join(self.metrics_in_float32))
+        if self.skipped_steps:
+            bad = f", {self.bad_data_steps} of them on bad data (a non-finite batch)" \
+                if self.bad_data_steps else ""
+            lines.append(f"skipped steps (non-finite gradients): {self.skipped_steps}{bad}")
         return "\n".join(lines)
 
     def legend(self) -> str:
@@ -163,8 +178,9 @@ class PrecisionReport:
         rows += ["- switches: dtype changes so far; history: old->new@call (reason)",
                  f"- {NOT_MEASURED}: not measured (no weights, no probe yet, or no statistics "
                  "step since the last decision)",
-                 "- exact input (integer_input), (dtype_mismatch), float32_metric: rules for "
-                 "what breaks Keras's mixed precision (docs/when_keras_fails.md):"]
+                 "- " + ", ".join(f"{label} ({rule})" for rule, label in _RULE_LABELS.items())
+                 + ", (dtype_mismatch), float32_metric: rules for what breaks Keras's mixed "
+                 "precision (docs/when_keras_fails.md):"]
         rows += [f"  - {rule}: {why}" for rule, why in rescue.RULES.items()]
         return "\n".join(rows)
 
@@ -224,5 +240,8 @@ def precision_report(model: keras.Model) -> PrecisionReport:
         })
     name = policy.name if policy is not None else keras.config.dtype_policy().name
     metrics = tuple(rescue.float32_metrics(model)) if isinstance(model, keras.Model) else ()
+    skipped = getattr(getattr(model, "optimizer", None), "skipped_steps", None)
+    skipped = None if skipped is None else int(keras.ops.convert_to_numpy(skipped))
+    bad = skipping.skipped(model) if isinstance(model, keras.Model) else None
     return PrecisionReport(name, policy.candidates if policy is not None else (), tuple(rows),
-                           metrics)
+                           metrics, skipped, None if bad is None else bad[1])
