@@ -161,3 +161,22 @@ def test_keras_backup_still_replaces_its_weights_then_its_metadata(tmp_path):
         assert fresh._initial_epoch == 1
         same = all(np.array_equal(a, w.numpy()) for a, w in zip(at_epoch_1, fresh.weights))
         assert same == (who == "keras_mp"), who  # Keras: the new weights with the old epoch
+
+
+def test_the_wrapped_save_functions_take_the_arguments_atomic_saves_reads():
+    """`atomic_saves` reads these by name; a Keras release that renames one fails here."""
+    from keras.src.legacy.saving import legacy_h5_format
+    from keras.src.saving import saving_lib
+
+    for function, names in ((saving_lib.save_model, ["model", "filepath", "weights_format",
+                                                     "zipped"]),
+                            (saving_lib.save_weights_only, ["model", "filepath",
+                                                            "max_shard_size", "objects_to_skip"]),
+                            (legacy_h5_format.save_model_to_hdf5,
+                             ["model", "filepath", "overwrite", "include_optimizer"])):
+        assert list(inspect.signature(function.__wrapped__).parameters) == names, function
+    from keras.callbacks import BackupAndRestore
+
+    backup = BackupAndRestore("unused")  # the attributes atomic_backups redirects
+    assert {"_weights_path", "_training_metadata_path", "double_checkpoint",
+            "delete_checkpoint", "backup_dir"} <= set(vars(backup))

@@ -117,6 +117,8 @@ def finish(model: keras.Model, step: int) -> None:
 
 def restore(model: keras.Model, config: dict[str, Any]) -> None:
     """Makes ``config`` (:meth:`Timeline.get_config`) the model's timeline."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r}.")
     if not isinstance(config, dict) or not isinstance(config.get("entries"), list) \
             or isinstance(config.get("last_step"), bool) \
             or not isinstance(config.get("last_step"), int):
