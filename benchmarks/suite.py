@@ -250,7 +250,10 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
         variants: among :data:`VARIANTS`; ``keras_float32`` is always run (it
             is the baseline of every ratio). None: all of them, but with
             ``quick`` those of :func:`quick_left_out`.
-        out: a folder for ``bench.json`` and ``bench.png``, or None.
+        out: a folder for ``bench.json`` and ``bench.png``, or None;
+            checked before the run starts (made if missing, and writable).
+            Without matplotlib a line says so and only ``bench.json`` is
+            written.
         log: where log lines go; None: stdout, with a progress line (model,
             variant, round, time left in the phase) drawn below them where
             stdout is a terminal (:mod:`benchmarks.progress`).
@@ -302,10 +305,18 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
         if isinstance(value, bool) or not isinstance(value, int) or value < 5:
             raise ValueError(f"`{name}` must be an int >= 5, got {value!r}.")
     variants = ["keras_float32"] + [v for v in VARIANTS if v in variants and v != "keras_float32"]
+    plot = False
     if out is not None:
+        # Before the first step: what the run measures is never lost to them.
+        from keras_mp import _checks
+
         os.makedirs(out, exist_ok=True)
-        if not os.access(out, os.W_OK):
-            raise PermissionError(f"`out` folder {out!r} is not writable.")
+        _checks.writable("out", out)
+        try:
+            _checks.extra(("matplotlib",), "plot", "bench.png (the picture)")
+            plot = True
+        except ImportError as e:
+            log(f"{e} The bench runs on and writes bench.json.")
     quiet_tensorflow()
     import keras
 
@@ -375,11 +386,13 @@ def run(models: Sequence[str] | None = None, quick: bool = False,
               "results": results, "skipped": skipped, "missing": absent, "tables": tables,
               "seconds": seconds}
     if out is not None:
-        with open(os.path.join(out, "bench.json"), "w") as f:
+        written = [os.path.join(out, "bench.json")]
+        with open(written[0], "w") as f:
             json.dump(report, f, indent=2)
-        if results:
+        if results and plot:
             report["plot"] = _plot(os.path.join(out, "bench.png"), results, machine)
-            log(f"Wrote {os.path.join(out, 'bench.json')} and {report['plot']}")
+            written.append(report["plot"])
+        log(f"Wrote {' and '.join(written)}")
     return report
 
 

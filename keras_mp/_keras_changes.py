@@ -118,7 +118,8 @@ ON_IMPORT: tuple[Change, ...] = (
            "3.15.1", "keras_mp._saves", _call("keras_mp._saves", "install", "backups")),
     Change("fit_adapts", "feature", ("keras:Model.fit",),
            "fit adds AdaptivePrecision to a model under an adaptive policy, so that setting the "
-           "global policy is enough",
+           "global policy is enough; a LossScaleOptimizer's max_consecutive_skips stop is "
+           "raised as keras-mp's TooManySkipsError, its sentence first",
            "3.15.1", "keras_mp.adaptive.fit.autofit",
            _call("keras_mp.adaptive.fit.autofit", "install")),
     Change("saved_policy", "feature",

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import io
 import os
 from importlib import resources
 from typing import Any
 
 import numpy as np
+
+from keras_mp import _checks as checks
 
 __all__ = ["load_digits", "load", "prepare_digits", "Loaded", "DIGITS_NAME",
            "default_data_dir", "default_name"]
@@ -61,8 +64,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
         >>> x.shape, xt.shape, int(y.max())
         ((1438, 8, 8, 1), (359, 8, 8, 1), 9)
     """
-    if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) \
-            or not 0.0 < test_fraction < 1.0:
+    if not checks.is_number(test_fraction) or not 0.0 < test_fraction < 1.0:
         raise ValueError(f"`test_fraction` must be in (0, 1), got {test_fraction!r}.")
     _check_seed(seed)
     images, labels = _digits_arrays()
@@ -74,7 +76,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0):
 
 
 def _check_seed(seed: Any) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if not checks.is_integer(seed) or seed < 0:
         raise TypeError(f"`seed` must be an int >= 0, got {seed!r}.")
 
 
@@ -229,9 +231,16 @@ class Loaded:
 
 
 def _check_count(name: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or value < 1):
+    if value is not None and (not checks.is_integer(value) or value < 1):
         raise ValueError(f"`{name}` must be None or an int >= 1, got {value!r}.")
+
+
+def _unknown_name(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name.split(":")[0].split("/")[0],
+                                      [DIGITS_NAME, *known], n=3, cutoff=0.6)
+    hint = f"; close matches: {', '.join(close)}" if close else ""
+    return (f"`name` {name!r} is not a TFDS data set{hint} (tfds.list_builders() lists all "
+            f"{len(known)}; {DIGITS_NAME!r} works offline).")
 
 
 def load(name: str | None = None, *, data_dir: str | os.PathLike | None = None,
@@ -278,8 +287,7 @@ def load(name: str | None = None, *, data_dir: str | os.PathLike | None = None,
     if not isinstance(name, str) or not name:
         raise ValueError(f"`name` must be a TFDS data set name such as {DIGITS_NAME!r} or "
                          f"'mnist', got {name!r}.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be an int >= 1, got {batch_size!r}.")
+    batch_size = checks.count("batch_size", batch_size, 1)
     _check_count("max_train", max_train)
     _check_count("max_test", max_test)
     if not isinstance(download, bool):
@@ -300,6 +308,9 @@ def load(name: str | None = None, *, data_dir: str | os.PathLike | None = None,
             with_info=True, download=download, try_gcs=False,
             download_and_prepare_kwargs={"download_config": tfds.download.DownloadConfig(
                 try_download_gcs=False)} if download else None)
+    except tfds.core.DatasetNotFoundError:
+        # TFDS's message lists its whole catalogue (hundreds of lines).
+        raise ValueError(_unknown_name(name, tfds.list_builders())) from None
     except (AssertionError, FileNotFoundError) as e:
         # TFDS raises AssertionError when the data is not prepared and
         # download=False.

@@ -51,6 +51,12 @@ def get(policy: Any) -> DTypePolicy:
     """
     if isinstance(policy, DTypePolicy):
         return policy
+    if policy is None:
+        # Keras's get(None) is its default float32 policy; setting None is
+        # refused by Keras's own set_dtype_policy, and is here.
+        raise ValueError(f"`policy` must be one of {sorted(ADAPTIVE_NAMES)}, a Keras dtype "
+                         "policy name (e.g. 'float32', 'mixed_bfloat16') or a DTypePolicy, got "
+                         "None; to go back to Keras's default, set 'float32'.")
     if isinstance(policy, str) and policy in ADAPTIVE_NAMES:
         return AdaptivePolicy(ADAPTIVE_NAMES[policy], name=policy)
     try:

@@ -36,6 +36,7 @@ from typing import Any
 import keras
 import keras_tuner
 
+from keras_mp import _checks as checks
 from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp import policies as policies_lib
 from keras_mp.scaling.optimizer import LossScaleOptimizer
@@ -61,6 +62,16 @@ DEFAULT_SPACE: dict[str, Any] = {
     "min_scale": {"min": 2.0**-8, "max": 1.0, "sampling": "log"},
 }
 _INTEGER = {"growth_interval", "hysteresis"}
+#: What DynamicLossScale takes for each parameter: every value a search may
+#: draw is checked against it before the first trial.
+_VALID: dict[str, tuple[Callable[[float], bool], str]] = {
+    "initial_scale": (lambda v: v > 0, "> 0"),
+    "growth_interval": (lambda v: v >= 1 and float(v).is_integer(), "a whole number >= 1"),
+    "growth_factor": (lambda v: v > 1, "> 1"),
+    "backoff_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "hysteresis": (lambda v: v >= 1 and float(v).is_integer(), "a whole number >= 1"),
+    "min_scale": (lambda v: v > 0, "> 0"),
+}
 
 #: Metrics added by :class:`TuningMetrics` and the direction that makes each better.
 OBJECTIVES: dict[str, str] = {
@@ -75,21 +86,38 @@ DEFAULT_POLICIES: tuple[str, ...] = ("adaptive", "mixed_bfloat16", "float32")
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return checks.is_number(x) and math.isfinite(x)
+
+
+def _valid(param: str, spec: Any, values: list) -> None:
+    test, allowed = _VALID[param]
+    bad = [v for v in values if not test(v)]
+    if bad:
+        raise ValueError(f"`{param}` must be {allowed}, as DynamicLossScale takes it: "
+                         f"{bad[0]!r} in {spec!r} is not.")
+
+
+def _as_param(param: str, value: Any) -> int | float:
+    """A Python int for an integer parameter, a float for the others (a
+    Keras Tuner choice holds one type)."""
+    return int(value) if param in _INTEGER else float(value)
 
 
 def _normalize(param: str, spec: Any) -> Any:
     """A user's spec for ``param`` as a number (fixed), a list (choice) or a
-    range dict; raises naming ``param`` otherwise."""
+    range dict, every value one DynamicLossScale takes; raises naming
+    ``param`` otherwise."""
     allowed = ("a number (fixed), a list of values (choice), a (min, max) tuple or a "
                "dict with 'min', 'max' and optionally 'sampling' ('linear'/'log') and 'step'")
     if _number(spec):
-        return int(spec) if param in _INTEGER and float(spec).is_integer() else spec
+        _valid(param, spec, [spec])
+        return _as_param(param, spec)
     if isinstance(spec, list):
         if not spec or not all(_number(v) for v in spec):
             raise ValueError(f"`{param}` as a choice must be a non-empty list of numbers, "
                              f"got {spec!r}.")
-        return list(spec)
+        _valid(param, spec, spec)
+        return [_as_param(param, v) for v in spec]
     if isinstance(spec, tuple):
         if len(spec) != 2:
             raise ValueError(f"`{param}` as a range must be a (min, max) tuple, got {spec!r}.")
@@ -108,7 +136,8 @@ def _normalize(param: str, spec: Any) -> Any:
                              f"{out['sampling']!r}.")
         if out["sampling"] == "log" and lo <= 0:
             raise ValueError(f"`{param}` with log sampling needs min > 0, got {spec!r}.")
-        return out
+        _valid(param, spec, [lo, hi])
+        return {**out, "min": _as_param(param, lo), "max": _as_param(param, hi)}
     raise TypeError(f"`{param}` must be {allowed}, got {spec!r}.")
 
 
@@ -381,10 +410,7 @@ class PrecisionHyperModel(keras_tuner.HyperModel):
                 raise ValueError(f"`policies` holds {p!r}, which is not a policy: {e}") from e
         if len(set(policies)) != len(policies):
             raise ValueError(f"`policies` must not repeat a name, got {list(policies)!r}.")
-        if isinstance(adaptive_interval, bool) or not isinstance(adaptive_interval, int) or \
-                adaptive_interval < 1:
-            raise ValueError(f"`adaptive_interval` must be an int >= 1, got "
-                             f"{adaptive_interval!r}.")
+        adaptive_interval = checks.count("adaptive_interval", adaptive_interval, 1)
         if loss_scale is None:
             loss_scale = {}
         if isinstance(loss_scale, Mapping):

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import zipfile
 
 import keras
@@ -34,7 +40,8 @@ from keras_mp.fused import layers, ops
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
 from keras_mp.fused import shared_matches
-from keras_mp.scaling import kernels, layer_scales, loss_scale, optimizer
+from keras_mp.adaptive.policy import layer_paths
+from keras_mp.scaling import kernels, layer_scales, loss_scale, optimizer, skips
 from keras_mp.device import memory, xla
 from keras_mp.fused.fuse import fuse as fuse_model
 
@@ -46,6 +53,7 @@ MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain
            "adaptive.integration.switching", "adaptive.outputs.plot", "adaptive.outputs.report",
            "adaptive.outputs.tensorboard", "adaptive.policy.adaptive_policy",
            "adaptive.policy.controlled_layers", "adaptive.policy.float8_policy",
+           "adaptive.policy.layer_paths",
            "adaptive.policy.saved_policy", "adaptive.record.state", "adaptive.record.timeline",
            "callbacks", "cli", "cli.command", "cli.demo", "cli.deploy_demo", "config", "datasets",
            "deploy", "deploy.export", "deploy.quantization", "device", "device.capabilities",
@@ -54,7 +62,7 @@ MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain
            "execution.step_trial", "fused", "fused.fuse", "fused.layers", "fused.losses",
            "fused.metrics", "fused.ops", "fused.shared_matches", "policies", "scaling",
            "scaling.kernels", "scaling.layer_scales", "scaling.loss_scale", "scaling.optimizer",
-           "tuning"]
+           "scaling.skips", "tuning"]
 
 # Public callables that take no argument, or whose only arguments are checked
 # by a row for another name (the reason is given).
@@ -67,6 +75,7 @@ NO_ARGUMENTS = {
     "adaptive.record.state.AttachedState",  # a base: a Keras layer's own arguments, checked by Keras
     "adaptive.fit.autofit.enabled", "adaptive.fit.autofit.install", "adaptive.evidence.float8.install",
     "adaptive.fit.autofit.min_saving", "config.autofit_enabled", "config.min_saving",
+    "config.skip_nonfinite",
     # what fit was given, read as Keras reads it: None where it says nothing
     "adaptive.decisions.gain.fit_steps",
     "adaptive.policy.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
@@ -79,6 +88,12 @@ NO_ARGUMENTS = {
     "fused.layers.fused_activation",  # a lookup: None for anything without a fused kernel
     "fused.shared_matches.sharing", "fused.shared_matches.active",
     "fused.shared_matches.take",  # a lookup by identity: None for anything not left there
+    "adaptive.policy.layer_paths.same_layer",  # two strings: whether they name one layer
+    "adaptive.policy.layer_paths.name_paths",  # a container: names its path-less layers
+    # an exception class (raised by LossScaleOptimizer, its row below), and the
+    # function that reads one out of any error (None for any other)
+    "scaling.skips.TooManySkipsError", "scaling.skips.readable",
+    "scaling.skips.check",  # LossScaleOptimizer's own values; what it raises: the row below
 }
 # Plain result records, built by keras_mp itself from validated values.
 RECORDS = {
@@ -102,6 +117,32 @@ def _enter(cm):
 
 
 x2 = np.ones((2, 4), "float32")
+
+
+def _tmp(*names: str, files: tuple[str, ...] = ()) -> str:
+    """A path under a fresh folder holding ``files``."""
+    folder = tempfile.mkdtemp()
+    for name in files:
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("the user's")
+    return os.path.join(folder, *names)
+
+
+def _adaptive_model():
+    with policies.policy_scope("adaptive_bfloat16"):
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="known")
+
+
+def _fit_that_only_skips():
+    model = _model()
+    model.compile(optimizer.LossScaleOptimizer(SGD(), max_consecutive_skips=2), "mse")
+    model.fit(np.full((8, 4), np.nan, "float32"), np.ones((8, 2)), batch_size=2, verbose=0)
+
+
+def _hp():
+    import keras_tuner
+
+    return keras_tuner.HyperParameters()
 
 # (public name, call, error types, regex that must appear: the argument's name)
 CASES = [
@@ -127,6 +168,10 @@ CASES = [
     ("config.set_autofit", lambda: keras_mp.config.set_autofit("yes"), TypeError, "`enabled`"),
     ("config.set_min_saving", lambda: keras_mp.config.set_min_saving(-1), ValueError,
      "`seconds`"),
+    ("config.set_skip_nonfinite", lambda: keras_mp.config.set_skip_nonfinite("yes"), TypeError,
+     "`enabled`"),
+    ("adaptive.integration.optimizer_setup.connect",
+     lambda: optimizer_setup.connect(_model(), None), ValueError, "compiled model"),
     ("config.set_xla", lambda: keras_mp.config.set_xla("conv", True), ValueError, "`kind`"),
     ("config.uses_xla", lambda: keras_mp.config.uses_xla("conv"), ValueError, "`kind`"),
     ("config.set_execution", lambda: keras_mp.config.set_execution("model"), TypeError,
@@ -407,6 +452,11 @@ CASES = [
      TypeError, "`float8`"),
     ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("bfloat16", "float32")).assign("dense", "adaptive.evidence.float8"), ValueError, "`dtype`"),
+    ("adaptive.integration.switching.parents", lambda: switching.parents("dense"), TypeError,
+     "`paths`"),
+    ("adaptive.decisions.controller.decide", lambda: controller.decide(
+        [controller.LayerStats(steps=1)], [controller.LayerState("float32")],
+        ("float16", "float32"), parents=[0]), ValueError, "`parents`"),
     ("adaptive.integration.switching.refresh", lambda: switching.refresh("dense"), TypeError, "`layer`"),
     ("adaptive.integration.switching.with_parents", lambda: switching.with_parents("p", [], [], []), TypeError,
      "`policy`"),
@@ -627,7 +677,84 @@ CASES = [
      "`optimizer`"),
     ("execution.fused_update.compiling", lambda: _enter(fused_update.compiling("yes")), TypeError,
      "`enabled`"),
+    # issue 46.5: paths checked before any work, in one sentence naming the argument
+    ("deploy.export.export", lambda: export.export(_model(), _tmp("f", files=("f",))),
+     ValueError, "`path` .* is an existing file; a SavedModel is written as a folder"),
+    ("deploy.export.export", lambda: export.export(_model(), _tmp(files=("notes.txt",))),
+     ValueError, "`path` .* is a folder holding other files \\(notes.txt\\)"),
+    ("deploy.export.export", lambda: export.export(_model(), _tmp("missing", "served")),
+     ValueError, "`path` .*: its folder .*missing' does not exist"),
+    ("deploy.export.export", lambda: export.export(_model(), "/proc/keras_mp_served"),
+     ValueError, "`path`: cannot write in '/proc'"),
+    ("deploy.export.export", lambda: export.export(_model(), _tmp("m.tfl"), "litert"),
+     ValueError, "`path` must end in .tflite for format='litert'"),
+    ("deploy.export.export", lambda: export.export(_model(), _tmp("m.tflite"), "onnx"),
+     ValueError, "`path` must end in .onnx for format='onnx'"),
+    ("deploy.export.export", lambda: export.export(_model(), _tmp("m.tflite")),
+     ValueError, "`path` .* names a .tflite file, but format='tf_saved_model' writes a folder"),
+    ("deploy.export.check_arguments", lambda: export.check_arguments(3), TypeError, "`path`"),
+    ("deploy.export.check_arguments", lambda: export.check_arguments(_tmp("x"), "litert"),
+     ValueError, "`path` must end in .tflite"),
+    ("adaptive.outputs.plot.plot_precision",
+     lambda: keras_mp.plot_precision(_model(), _tmp("missing", "run.png")), ValueError,
+     "`path` .*: its folder .* does not exist"),
+    ("adaptive.outputs.plot.plot_precision",
+     lambda: keras_mp.plot_precision(_model(), "/proc/run.png"), ValueError,
+     "`path`: cannot write in '/proc'"),
+    ("adaptive.outputs.plot.plot_precision",
+     lambda: keras_mp.plot_precision(_model(), _tmp("run.docx")), ValueError,
+     "`path` must end in .*\\.png.* \\(a format matplotlib writes\\)"),
+    ("adaptive.outputs.plot.plot_precision", lambda: keras_mp.plot_precision(_model(), _tmp()),
+     ValueError, "`path` .* is a folder"),
+    # 46.7: silent or deep before, a clear error now
+    ("policies.set_global_policy", lambda: policies.set_global_policy(None), ValueError,
+     "`policy` .*got None"),
+    ("policies.policy_scope", lambda: _enter(policies.policy_scope(None)), ValueError,
+     "`policy` .*got None"),
+    ("scaling.loss_scale.DynamicLossScale",
+     lambda: loss_scale.DynamicLossScale(growth_interval=lambda step: -1), ValueError,
+     "`growth_interval` must return an int >= 1 .*growth_interval\\(0\\) returned -1"),
+    ("scaling.loss_scale.PiecewiseInterval", lambda: loss_scale.PiecewiseInterval(100, [1, 2]),
+     TypeError, "`boundaries` must be a list of ints"),
+    ("deploy.quantization.quantize",
+     lambda: quantization.quantize(_model(), keep=["no_such_layer"]), ValueError,
+     "`keep` holds \\['no_such_layer'\\], which match no layer"),
+    ("deploy.quantization.quantize", lambda: quantization.quantize(_model(), keep=["[unclosed"]),
+     ValueError, "`keep` holds '\\[unclosed', which is not a valid regex"),
+    ("deploy.quantization.plan", lambda: quantization.plan(_model(), keep=["dense_99"]),
+     ValueError, "`keep`"),
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy",
+     lambda: policies.policy_of(_adaptive_model()).assign("known/no_such_layer", "float32"),
+     ValueError, "`path` 'known/no_such_layer' names no layer of 'known'"),
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy",
+     lambda: policies.AdaptivePolicy(("bfloat16", "float32")).assign("a//b", "float32"),
+     ValueError, "`path`"),
+    ("adaptive.policy.layer_paths.check_path", lambda: layer_paths.check_path("", []),
+     ValueError, "`path`"),
+    ("tuning.loss_scale_schedule",
+     lambda: tuning.loss_scale_schedule(_hp(), growth_factor=[0.5, 2]), ValueError,
+     "`growth_factor` must be > 1"),
+    ("tuning.PrecisionHyperModel", lambda: tuning.PrecisionHyperModel(
+        lambda hp: _model(), loss_scale={"backoff_factor": [0.5, 1.5]}), ValueError,
+     "`backoff_factor` must be in \\(0, 1\\)"),
+    ("datasets.load", lambda: datasets.load("mnst"), ValueError,
+     "^`name` 'mnst' is not a TFDS data set; close matches: mnist"),
+    # 46.8: garbage in a record, refused when the policy is made (also from a file)
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+        records={"dense": {"state": "garbage"}}), ValueError, "`records` of 'dense'"),
+    ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
+        records={"dense": {"state": {"dtype": "float16", "healthy": -3}}}), ValueError,
+     "`records` of 'dense': its state .*`healthy` must be an int >= 0"),
+    # 46.9: the stop of a hopeless run, its sentence first, keras-mp's own exception
+    ("scaling.optimizer.LossScaleOptimizer", _fit_that_only_skips, skips.TooManySkipsError,
+     "^keras_mp.LossScaleOptimizer: 3 consecutive steps had non-finite gradients "
+     "\\(max_consecutive_skips=2\\)"),
 ]
+
+#: Where an error of these packages escapes a keras-mp call, keras-mp did not
+#: check the argument itself (issue 46): no row may raise one.
+FOREIGN = ("tensorflow", "tensorflow_datasets", "keras", "matplotlib", "re", "keras_tuner",
+           "onnx", "tf2onnx")
 
 
 # Rows whose function does not validate that argument yet (or fails with a
@@ -650,6 +777,7 @@ def test_bad_input_raises_naming_the_argument(name, call, error, match):
         call()
     if match is not None:
         assert re.search(match, str(info.value)), str(info.value)
+    assert type(info.value).__module__.split(".")[0] not in FOREIGN, repr(info.value)
 
 
 def _public_callables() -> dict[str, object]:
@@ -730,3 +858,208 @@ def test_file_saved_before_the_first_step_still_loads(tmp_path):
     model.save(path)
     loaded = keras.saving.load_model(path)
     assert isinstance(loaded.optimizer, optimizer.LossScaleOptimizer)
+
+
+# -- issue 46: what one table row cannot hold ---------------------------------------
+
+def test_numpy_scalars_are_numbers_and_configs_stay_plain_json():
+    """46.6: a NumPy scalar is taken wherever a Python number is (as Keras
+    takes it), and kept as a Python number (a config must stay JSON)."""
+    schedule = loss_scale.DynamicLossScale(initial_scale=np.float32(1024),
+                                           growth_interval=np.int64(100),
+                                           hysteresis=np.int32(2), min_scale=np.float64(1.0))
+    config = schedule.get_config()
+    assert config["initial_scale"] == 1024.0 and config["growth_interval"] == 100
+    interval = loss_scale.PiecewiseInterval(np.array([100, 1000]), [np.int64(1), 2, np.int32(3)])
+    assert interval.get_config() == {"boundaries": [100, 1000], "values": [1, 2, 3]}
+    opt = optimizer.LossScaleOptimizer(SGD(), initial_scale=np.float32(1024),
+                                       dynamic_growth_steps=np.int64(10),
+                                       max_consecutive_skips=np.int64(5))
+    assert opt.initial_scale == 1024.0 and opt.dynamic_growth_steps == 10
+    assert float(loss_scale.get(np.float32(8)).fixed_scale) == 8.0
+    rule = controller.DecisionRule(patience=np.int64(3), hysteresis=np.float32(0.5))
+    callback = callbacks.AdaptivePrecision(np.int64(10), statistics_every=np.int64(5))
+    schedule_hp = tuning.loss_scale_schedule(_hp(), initial_scale=np.float32(1024))
+    (x, _), _ = datasets.load_digits(test_fraction=np.float32(0.25), seed=np.int64(1))
+    assert len(x) == 1348 and callback.interval == 10 and schedule_hp.initial_scale == 1024.0
+    for obj in (config, interval.get_config(), rule.get_config(),
+                keras.saving.serialize_keras_object(opt)):
+        for value in json.loads(json.dumps(obj, default=repr)).values():
+            assert not str(value).startswith("np."), obj
+    assert all(type(v) in (int, float, bool) for v in rule.get_config().values())
+
+
+def test_an_adaptive_policy_is_true_before_any_switch():
+    """46.10: DTypePolicyMap's __len__ (its entries) made it False."""
+    model = _adaptive_model()
+    policy = policies.policy_of(model)
+    assert len(policy) == 0 and bool(policy)
+    assert policies.AdaptivePolicy(("float16", "float32"))
+
+
+def test_assign_refuses_only_what_cannot_name_a_layer():
+    """46.7: a path inside a model the policy knows must name one of its layers;
+    a layer not built yet, or of a model it has not met, is still assigned."""
+    model = _adaptive_model()
+    policy = policies.policy_of(model)
+    with pytest.raises(ValueError, match="`path` 'known/dense_77' names no layer of 'known'"):
+        policy.assign("known/dense_77", "float32")
+    policy.assign(model.layers[0].path, "float32")
+    assert model.layers[0].compute_dtype == "float32"
+    policy.assign("future/dense", "float32")  # another model, not built yet
+    with policies.policy_scope(policy):
+        layer = keras.layers.Dense(2, name="later")
+    policy.assign("later", "float32")  # given its dtype before it is built
+    layer.build((None, 3))
+    assert layer.path == "later" and layer.compute_dtype == "float32"
+
+
+def _keras_file(tmp_path):
+    with policies.policy_scope("adaptive_float16"):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                                  keras.layers.Dense(2)], name="tamper")
+    policy = policies.policy_of(model)
+    first = model.layers[0].path
+    policy.assign(first, "float32")
+    policy.record(first)["state"] = controller.LayerState("float32", switches=1).get_config()
+    path = tmp_path / "clean.keras"
+    model.save(path)
+    return path
+
+
+def _edited(path, edit):
+    """A copy of the .keras file at ``path`` whose config.json ``edit`` changed:
+    it gets the AdaptivePolicy configs, the whole one first."""
+    out = path.with_name("edited.keras")
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename == "config.json":
+                config = json.loads(data)
+                found = []
+
+                def walk(node):
+                    if isinstance(node, dict):
+                        if node.get("class_name") == "AdaptivePolicy":
+                            found.append(node["config"])
+                        for value in node.values():
+                            walk(value)
+                    elif isinstance(node, list):
+                        for value in node:
+                            walk(value)
+
+                walk(config)
+                found.sort(key=lambda c: "in_another_layer" in c)
+                assert len(found) >= 2 and "records" in found[0], found
+                edit(found)
+                data = json.dumps(config).encode()
+            target.writestr(item, data)
+    return out
+
+
+def _without_the_whole_policy(configs):
+    whole = configs[0]
+    for key in [k for k in whole if k not in ("candidates", "name", "layer_loss_scales")]:
+        del whole[key]
+    whole["in_another_layer"] = True
+
+
+def _reference_to_another_policy(configs):
+    for short in configs[1:]:  # whichever Keras reads first (the others share its object)
+        short["candidates"] = ["bfloat16", "float32"]
+
+
+def _garbage_record_state(configs):
+    for record in configs[0]["records"].values():
+        record["state"] = {"dtype": "float32", "healthy": "garbage"}
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_without_the_whole_policy, "refer to the adaptive policy 'adaptive_float16' .*which no "
+                                "layer's config holds whole"),
+    (_reference_to_another_policy, r"refer to the adaptive policy 'adaptive_float16' "
+                                   r"\(candidates \['bfloat16', 'float32'\]\)"),
+    (_garbage_record_state, "`records` of '.*dense': its state .*`healthy` must be an int"),
+], ids=["missing-whole-policy", "mismatched-reference", "garbage-record-state"])
+def test_tampered_saved_policy_is_refused(edit, match, tmp_path):
+    """46.8: each of these loaded silently: float16 where float32 was saved, one
+    layer as bfloat16, a record the controller would fail on later."""
+    clean = _keras_file(tmp_path)
+    loaded = keras.saving.load_model(clean)
+    assert [layer.compute_dtype for layer in loaded.layers] == ["float32", "float16"]
+    edited = _edited(clean, lambda configs: None)
+    assert keras.saving.load_model(edited).layers[0].compute_dtype == "float32"  # a faithful copy
+    with pytest.raises(ValueError, match=match) as info:
+        keras.saving.load_model(_edited(clean, edit))
+    assert "edited or damaged" in str(info.value)
+    assert keras_mp.global_policy().name == "float32"  # the load's global policy undone
+
+
+def test_plot_and_export_check_their_extra_before_anything_else(monkeypatch):
+    """46.5: matplotlib (and the ONNX converter) are checked before the model
+    is looked at, drawn or converted: keras-mp's ImportError naming the extra."""
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # not installed
+    with pytest.raises(ImportError, match=r'^keras_mp.plot_precision needs matplotlib, not '
+                                          r'installed: pip install "keras-mp\[plot\]"'):
+        keras_mp.plot_precision(_model(), _tmp("missing", "x.png"))  # not adaptive, bad path
+    monkeypatch.setitem(sys.modules, "tf2onnx", None)
+    with pytest.raises(ImportError, match=r'pip install "keras-mp\[onnx\]"'):
+        export.export(_model(), _tmp("missing", "m.onnx"), "onnx")
+
+
+def _cli_err(capsys, argv):
+    code = importlib.import_module("keras_mp.cli").main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"keras-mp {argv[0]}: error: "), err
+    return lines[0]
+
+
+def test_cli_export_checks_paths_and_the_extra_before_loading(capsys, monkeypatch, tmp_path):
+    """46.5: exit 2, one line naming the argument and the fix, no traceback."""
+    model = tmp_path / "m.keras"
+    _trained().save(model)
+    existing = tmp_path / "served"
+    existing.write_text("the user's file")
+    assert "is an existing file" in _cli_err(capsys, ["export", str(model), str(existing)])
+    assert "cannot write in '/proc'" in _cli_err(capsys, ["export", str(model), "/proc/served"])
+    line = _cli_err(capsys, ["export", str(model), str(tmp_path / "m.tfl"), "--format",
+                             "litert"])
+    assert "`path` must end in .tflite" in line
+    assert "does not exist" in _cli_err(capsys, ["export", str(tmp_path / "none.keras"),
+                                                 str(tmp_path / "out")])
+    truncated = tmp_path / "cut.keras"
+    truncated.write_bytes(model.read_bytes()[:model.stat().st_size // 2])
+    line = _cli_err(capsys, ["export", str(truncated), str(tmp_path / "out")])
+    assert "is not a whole .keras file: it is truncated" in line and "not found" not in line
+    # The output and the extra before the model: a truncated model is not read.
+    assert "existing file" in _cli_err(capsys, ["export", str(truncated), str(existing)])
+    monkeypatch.setitem(sys.modules, "tf2onnx", None)
+    line = _cli_err(capsys, ["export", str(truncated), str(tmp_path / "m.onnx"), "--format",
+                             "onnx"])
+    assert line.endswith('needs tf2onnx, not installed: pip install "keras-mp[onnx]".'), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_error_as_a_user_sees_it(tmp_path):
+    """The console script run as a process: one line on stderr, exit 2."""
+    truncated = tmp_path / "cut.keras"
+    truncated.write_bytes(b"PK\x03\x04 cut short")
+    exe = shutil.which("keras-mp") or os.path.join(os.path.dirname(sys.executable), "keras-mp")
+    done = subprocess.run([exe, "export", str(truncated), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"keras-mp export: error: `model` '{truncated}' is not a whole .keras file: it is "
+        "truncated or damaged (an interrupted save or copy?), or not a Keras archive; save "
+        "the model again."], done.stderr
+
+
+def test_unknown_tfds_name_is_one_line_with_close_matches():
+    """46.7: TFDS's own error lists its whole catalogue (~8,700 characters)."""
+    with pytest.raises(ValueError) as info:
+        datasets.load("cifar_10")
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 300, message
+    assert "close matches: cifar10" in message and type(info.value) is ValueError

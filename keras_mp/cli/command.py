@@ -129,15 +129,20 @@ def _bench(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import keras
 
+    from keras_mp import _checks
     from keras_mp.deploy import export
 
-    model = keras.saving.load_model(args.model, compile=False)
     weights = None if args.weights == "float32" else args.weights
     extra = {}
     if args.format == "onnx":
         extra = {"compute_dtype": args.compute_dtype or "float32", "opset": args.opset}
     elif args.compute_dtype is not None or args.opset is not None:
         raise ValueError("--compute-dtype and --opset apply to --format onnx only.")
+    # Everything but the model, then the file, before the model is loaded.
+    export.check_arguments(args.out, args.format, output_dtype=args.output_dtype,
+                           weights=weights, **extra)
+    _checks.keras_file("model", args.model)
+    model = keras.saving.load_model(args.model, compile=False)
     export.export(model, args.out, args.format, output_dtype=args.output_dtype, weights=weights,
                   **extra)
     compute = f", {extra['compute_dtype']} compute" if extra else ""
@@ -251,8 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, PermissionError, OSError) as e:
-        print(f"keras-mp {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, ImportError) as e:
+        # One line, no traceback: what was wrong and the fix (a missing extra
+        # names its pip install).
+        print(f"keras-mp {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_mp import _checks as checks
 from keras_mp import callbacks, datasets, device, policies
 from keras_mp._atomic import atomic_path
 from keras_mp.adaptive.outputs.plot import plot_precision
@@ -336,8 +337,7 @@ def run_demo(epochs: int = 4, batch_size: int = 32, out_dir: str | None = ".",
         raise ValueError(f"`verbose` must be 0 or 1, got {verbose!r}.")
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
-        if not os.access(out_dir, os.W_OK):
-            raise PermissionError(f"`out_dir` {out_dir!r} is not writable.")
+        checks.writable("out_dir", out_dir)
     data = _data(seed)
     if out_dir is not None and not _has_matplotlib():
         if verbose:

@@ -46,7 +46,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
@@ -54,11 +53,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_mp import _checks as checks
 from keras_mp._atomic import atomic_path
 from keras_mp._cloning import clone_with_weights
 from keras_mp.adaptive.evidence import float8
 
-__all__ = ["COMPUTE_DTYPES", "FORMATS", "WEIGHTS", "export", "float32_copy", "serving_copy"]
+__all__ = ["COMPUTE_DTYPES", "FORMATS", "WEIGHTS", "check_arguments", "export", "float32_copy",
+           "serving_copy"]
 
 #: The formats :func:`export` writes without a GPU.
 FORMATS: tuple[str, ...] = ("tf_saved_model", "litert", "onnx")
@@ -71,15 +72,31 @@ _OUTPUT_DTYPES = ("float32", "compute")
 _OPSETS = range(13, 19)
 
 
-def _check(model: Any, path: Any, format: Any, output_dtype: Any, weights: Any,
-           compute_dtype: Any = None, opset: Any = None) -> None:
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
-                        f"{type(model).__name__}.")
-    if not model.built:
-        raise ValueError("`model` must be built (call it once, or give it an Input).")
-    if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise TypeError(f"`path` must be a file or folder path, got {path!r}.")
+#: The file each format writes; a SavedModel is a folder.
+_SUFFIXES = {"litert": ".tflite", "onnx": ".onnx"}
+
+
+def check_arguments(path: Any, format: Any = "tf_saved_model", *, output_dtype: Any = "float32",
+                    weights: Any = None, compute_dtype: Any = None, opset: Any = None) -> str:
+    """Everything :func:`export` would refuse that does not depend on the
+    model, checked before any work (``keras-mp export`` calls it before it
+    loads the model): the arguments, the ONNX extra for ``format="onnx"``,
+    and that ``path`` can be written now.
+
+    ``path`` must be, for a SavedModel, a new or empty folder (or an earlier
+    SavedModel, which is replaced) in an existing, writable folder, not a
+    file nor a folder holding other files; for LiteRT and ONNX a ``.tflite``
+    / ``.onnx`` file path in an existing, writable folder (an existing file
+    there is replaced).
+
+    Returns:
+        ``path`` as a str.
+
+    Raises:
+        TypeError / ValueError: naming the argument and what it must be.
+        ImportError: ``format="onnx"`` without ``pip install "keras-mp[onnx]"``.
+    """
+    checks.path("path", path)
     if format not in FORMATS:
         raise ValueError(f"`format` must be one of {FORMATS}, got {format!r}.")
     if output_dtype not in _OUTPUT_DTYPES:
@@ -98,11 +115,23 @@ def _check(model: Any, path: Any, format: Any, output_dtype: Any, weights: Any,
         if opset is not None and (isinstance(opset, bool) or opset not in _OPSETS):
             raise ValueError(f"`opset` must be None (tf2onnx's default, 15) or an int from "
                              f"{_OPSETS.start} to {_OPSETS.stop - 1}, got {opset!r}.")
+        _onnx_modules()
     else:
         for name, value in (("compute_dtype", compute_dtype), ("opset", opset)):
             if value is not None:
                 raise ValueError(f"`{name}`={value!r} applies to format='onnx' only "
                                  f"(format={format!r} was given).")
+    if format in _SUFFIXES:
+        return checks.output_path("path", path, suffixes=(_SUFFIXES[format],),
+                                  what=f" for format={format!r}")
+    for other, suffix in _SUFFIXES.items():
+        if os.fspath(path).lower().endswith(suffix):
+            raise ValueError(f"`path` {os.fspath(path)!r} names a {suffix} file, but "
+                             "format='tf_saved_model' writes a folder: give a folder, or "
+                             f"format={other!r}.")
+    return checks.output_folder("path", path, what="a SavedModel",
+                                replaceable=lambda folder: os.path.isfile(
+                                    os.path.join(folder, "saved_model.pb")))
 
 
 def _input_signature(model: keras.Model) -> list:
@@ -245,16 +274,8 @@ def float32_copy(model: keras.Model) -> keras.Model:
 
 
 def _onnx_modules() -> dict[str, Any]:
-    modules, missing = {}, []
-    for name in ("tf2onnx", "onnx", "onnxruntime"):
-        try:
-            modules[name] = importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
-    if missing:
-        raise ImportError(f"format='onnx' needs {', '.join(missing)}, not installed: "
-                          'pip install "keras-mp[onnx]" (tf2onnx, onnx and onnxruntime).')
-    return modules
+    names = ("tf2onnx", "onnx", "onnxruntime")
+    return dict(zip(names, checks.extra(names, "onnx", "format='onnx'")))
 
 
 def _erfc_as_one_minus_erf(ctx, node, name, args) -> None:
@@ -372,9 +393,10 @@ def export(model: keras.Model, path: str | os.PathLike, format: str = "tf_saved_
         model: a built functional or Sequential Keras model: adaptive, fused
             (:func:`keras_mp.fuse`) or quantized.
         path: the SavedModel folder, the ``.tflite`` file for LiteRT, the
-            ``.onnx`` file for ONNX. Written beside it and moved into place
-            (:func:`keras_mp._atomic.atomic_path`): an earlier export there is
-            replaced whole, or kept whole if the export fails or is killed.
+            ``.onnx`` file for ONNX (see :func:`check_arguments`). Written beside
+            it and moved into place (:func:`keras_mp._atomic.atomic_path`): an
+            earlier export there is replaced whole, or kept whole if the export
+            fails or is killed.
         format: one of :data:`FORMATS`.
         output_dtype: ``"float32"`` (default): outputs cast to float32;
             ``"compute"``: the model's own output dtype (SavedModel), the
@@ -385,19 +407,19 @@ def export(model: keras.Model, path: str | os.PathLike, format: str = "tf_saved_
         opset: ONNX only: the ONNX opset, 13 to 18 (None: tf2onnx's default, 15).
 
     Raises:
-        ValueError: a bad argument, LiteRT of a Keras-quantized model, or an
-            ONNX conversion that does not run in onnxruntime (no file is
-            written), or a SavedModel ``path`` that is a folder holding other
-            files.
+        ValueError: a bad argument (:func:`check_arguments`, before any
+            work: a path that cannot be written is one), LiteRT of a
+            Keras-quantized model, or an ONNX conversion that does not run in
+            onnxruntime (no file is written).
         ImportError: ONNX without the ``onnx`` extra (tf2onnx, onnx, onnxruntime).
     """
-    _check(model, path, format, output_dtype, weights, compute_dtype, opset)
-    path = os.fspath(path)
-    if format == "tf_saved_model" and os.path.isdir(path) and os.listdir(path) \
-            and not os.path.exists(os.path.join(path, "saved_model.pb")):
-        raise ValueError(f"`path` {path!r} is a folder with other files in it: export replaces "
-                         "the whole folder it writes; give a new or empty folder (or one an "
-                         "earlier export wrote).")
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
+                        f"{type(model).__name__}.")
+    path = check_arguments(path, format, output_dtype=output_dtype, weights=weights,
+                           compute_dtype=compute_dtype, opset=opset)
+    if not model.built:
+        raise ValueError("`model` must be built (call it once, or give it an Input).")
     # Written beside `path` and moved into place: a kill leaves the old export or the new one.
     with atomic_path(path, directory=format == "tf_saved_model") as tmp:
         _export(model, tmp, format, output_dtype, weights, compute_dtype, opset)

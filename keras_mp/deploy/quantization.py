@@ -208,15 +208,32 @@ def _promoted(record: dict[str, Any]) -> bool:
 
 
 def _matches(layer: keras.layers.Layer, keep: Iterable[str]) -> bool:
-    names = {layer.name, layer.path, layer.path.split("/", 1)[-1]}
+    path = layer.path or layer.name
+    names = {layer.name, path, path.split("/", 1)[-1]}
     return any(any(k == n or re.fullmatch(k, n) for n in names) for k in keep)
 
 
-def _check_keep(keep: Any) -> tuple[str, ...]:
+def _check_keep(keep: Any, model: keras.layers.Layer) -> tuple[str, ...]:
+    """``keep`` as a tuple, if each entry is a valid regex that names at
+    least one layer of ``model`` (a typo would quantize the layer it meant)."""
     if isinstance(keep, str) or not isinstance(keep, (list, tuple, set, frozenset)) \
             or not all(isinstance(k, str) and k for k in keep):
         raise TypeError("`keep` must be a list of layer names, paths or regexes (strings), "
                         f"got {keep!r}.")
+    for k in keep:
+        try:
+            re.compile(k)
+        except re.error as e:
+            raise ValueError(f"`keep` holds {k!r}, which is not a valid regex ({e}); escape "
+                             "special characters with re.escape to match a name as "
+                             "written.") from None
+    layers = list(model._flatten_layers(include_self=False))
+    unmatched = [k for k in keep if not any(_matches(layer, [k]) for layer in layers)]
+    if unmatched:
+        names = ", ".join(layer.name for layer in layers[:8]) + (", ..." if len(layers) > 8
+                                                                 else "")
+        raise ValueError(f"`keep` holds {unmatched!r}, which match no layer of "
+                         f"{model.name!r} (by name, path or regex; its layers: {names}).")
     return tuple(keep)
 
 
@@ -228,7 +245,8 @@ def plan(model: keras.Model, mode: str = "int8", *,
         model: a built Keras model (trained under an adaptive policy for the
             evidence; without one only ``keep`` keeps layers in float).
         mode: one of :data:`MODES`.
-        keep: layer names, paths or regexes (full match) to keep in float.
+        keep: layer names, paths or regexes (full match) to keep in float;
+            each must match a layer of ``model`` (else ``ValueError``).
 
     Returns:
         Layer path -> ``"quantize"`` or the reason it stays in float:
@@ -251,7 +269,7 @@ def plan(model: keras.Model, mode: str = "int8", *,
         raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
                         f"{type(model).__name__}.")
     _check_mode(mode)
-    keep = _check_keep(keep)
+    keep = _check_keep(keep, model)
     policy = policy_of(model)
     out: dict[str, str] = {}
     for layer in model._flatten_layers(include_self=False):
@@ -309,7 +327,8 @@ def quantize(model: keras.Model, mode: str = "int8", *, keep: Iterable[str] = ()
         The plan that was applied (see :func:`plan`).
 
     Raises:
-        ValueError: ``mode`` is not a Keras mode, or gptq/awq without ``config``.
+        ValueError: ``mode`` is not a Keras mode, gptq/awq without ``config``,
+            or a ``keep`` entry that is no valid regex or matches no layer.
     """
     decisions = plan(model, mode, keep=keep)
     if mode not in _DATA_FREE and config is None:

@@ -8,6 +8,8 @@
   skip is agreed across replicas.
 * :mod:`keras_mp.scaling.kernels`: one computation over a whole gradient
   list: unscale, finite flags and per-tensor statistics.
+* :mod:`keras_mp.scaling.skips`: :class:`TooManySkipsError`, the stop of a
+  run past ``max_consecutive_skips``.
 
 Example:
     >>> import keras
@@ -18,10 +20,11 @@ Example:
     100
 """
 
-from keras_mp.scaling import kernels, loss_scale, optimizer
+from keras_mp.scaling import kernels, loss_scale, optimizer, skips
 from keras_mp.scaling.loss_scale import (DynamicLossScale, FixedLossScale, LossScaleSchedule,
                                          PiecewiseInterval)
 from keras_mp.scaling.optimizer import LossScaleOptimizer
+from keras_mp.scaling.skips import TooManySkipsError
 
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScaleOptimizer", "LossScaleSchedule",
-           "PiecewiseInterval", "kernels", "loss_scale", "optimizer"]
+           "PiecewiseInterval", "TooManySkipsError", "kernels", "loss_scale", "optimizer", "skips"]

@@ -40,6 +40,7 @@ from keras_mp.device import xla
 
 __all__ = [
     "GradientStatistics",
+    "nonfinite_by_sums",
     "STATISTICS",
     "unscale_and_check",
     "gradient_statistics",
@@ -251,6 +252,30 @@ def _merge(grads, dense_idx, dense_out, scale):
 def _slices_nonfinite(grads) -> list[tf.Tensor]:
     return [tf.reduce_any(tf.logical_not(tf.math.is_finite(g.values)))
             for g in grads if isinstance(g, tf.IndexedSlices)]
+
+
+def nonfinite_by_sums(grads: Sequence) -> tf.Tensor:
+    """Per gradient, whether it holds an inf or NaN, from one sum each: no
+    unscaling, one pass over each gradient and no temporary (what a loss
+    scale of exactly 1 needs: :class:`keras_mp.LossScaleOptimizer` with
+    ``FixedLossScale(1.0)``). A gradient whose elements sum beyond float32's
+    range (their magnitudes near 3.4e38 over its size) counts as non-finite.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> nonfinite_by_sums([tf.constant([1.0, float("inf")]), None,
+        ...                    tf.constant([2.0])]).numpy().tolist()
+        [True, False, False]
+    """
+    grads = _grad_list(grads)
+    flags = []
+    for g in grads:
+        if g is None:
+            flags.append(tf.constant(False))
+            continue
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        flags.append(tf.logical_not(tf.math.is_finite(tf.reduce_sum(tf.cast(values, tf.float32)))))
+    return tf.stack(flags) if flags else tf.zeros([0], tf.bool)
 
 
 def nonfinite_mask(grads: Sequence, scale) -> tf.Tensor:

@@ -37,13 +37,15 @@ scale back to where it was before the streak, by ``growth_factor`` every
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 import keras
+import numpy as np
 from keras import ops
 from keras.saving import deserialize_keras_object, serialize_keras_object
+
+from keras_mp import _checks as checks
 
 __all__ = [
     "LossScaleSchedule",
@@ -59,14 +61,26 @@ Interval = Union[int, Callable[[Any], Any]]
 _PACKAGE = "keras_mp"
 
 
-def _positive_finite(name: str, value, *, allow_equal_one=True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be a number, got {value!r} of type "
-                        f"{type(value).__name__}.")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.")
-    return value
+def _positive_finite(name: str, value) -> float:
+    return checks.positive(name, checks.number(name, value))
+
+
+def _probed(growth_interval: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``growth_interval`` if it gives an int >= 1 for step 0 (where it is
+    evaluated, inside the compiled step, a bad value would only be a
+    TensorFlow error, or a scale that grows every step)."""
+    try:
+        first = np.asarray(ops.convert_to_numpy(
+            growth_interval(ops.convert_to_tensor(0, "int64"))))
+    except Exception as e:  # noqa: BLE001 - a user's callable raises what it raises
+        raise ValueError("`growth_interval` must be a callable of the step (an int64 scalar) "
+                         f"returning an int >= 1; growth_interval(0) raised "
+                         f"{type(e).__name__}: {e}") from e
+    if first.shape != () or first.dtype.kind not in "iuf" or first != np.round(first) \
+            or not first >= 1:
+        raise ValueError("`growth_interval` must return an int >= 1 for every step; "
+                         f"growth_interval(0) returned {first.tolist()!r}.")
+    return growth_interval
 
 
 class LossScaleSchedule:
@@ -183,17 +197,16 @@ class PiecewiseInterval:
     """
 
     def __init__(self, boundaries: Sequence[int], values: Sequence[int]):
-        boundaries = list(boundaries)
-        values = list(values)
+        boundaries, values = checks.integers("boundaries", boundaries, 0), \
+            checks.integers("values", values, 1)
         if len(values) != len(boundaries) + 1:
             raise ValueError(
                 "`values` must have one more entry than `boundaries`, got "
                 f"{len(values)} values for {len(boundaries)} boundaries.")
-        if any(not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in boundaries) or \
-                boundaries != sorted(boundaries):
+        if any(b < 0 for b in boundaries) or boundaries != sorted(boundaries):
             raise ValueError("`boundaries` must be increasing integers >= 0, "
                              f"got {boundaries!r}.")
-        if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+        if any(v < 1 for v in values):
             raise ValueError(f"`values` must be integers >= 1, got {values!r}.")
         self.boundaries = boundaries
         self.values = values
@@ -249,7 +262,8 @@ class DynamicLossScale(LossScaleSchedule):
         backoff_factor: multiplier on overflow, in (0, 1).
         growth_interval: finite steps between growths, an int >= 1, or a
             callable of the applied-step count returning one (for example a
-            :class:`PiecewiseInterval`).
+            :class:`PiecewiseInterval`; called on step 0 when the schedule is
+            made, so a bad value is an error here, not in the train step).
         hysteresis: overflowing steps tolerated before backing off, >= 1.
         min_scale: lower bound of the scale, > 0.
         max_scale: upper bound of the scale, finite and >= ``min_scale``.
@@ -300,22 +314,9 @@ class DynamicLossScale(LossScaleSchedule):
         if not 0.0 < self.backoff_factor < 1.0:
             raise ValueError("`backoff_factor` must be in the open interval (0, 1), "
                              f"got {backoff_factor!r}.")
-        if isinstance(growth_interval, float) and growth_interval.is_integer():
-            growth_interval = int(growth_interval)   # 3.0, as Keras accepts
-        if callable(growth_interval):
-            self.growth_interval = growth_interval
-        elif isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
-            raise TypeError("`growth_interval` must be an int >= 1 or a callable of "
-                            f"the step, got {growth_interval!r}.")
-        elif growth_interval < 1:
-            raise ValueError(f"`growth_interval` must be >= 1, got {growth_interval!r}.")
-        else:
-            self.growth_interval = growth_interval
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int):
-            raise TypeError(f"`hysteresis` must be an int >= 1, got {hysteresis!r}.")
-        if hysteresis < 1:
-            raise ValueError(f"`hysteresis` must be >= 1, got {hysteresis!r}.")
-        self.hysteresis = hysteresis
+        self.growth_interval = _probed(growth_interval) if callable(growth_interval) else \
+            checks.integer("growth_interval", growth_interval, 1, " or a callable of the step")
+        self.hysteresis = checks.integer("hysteresis", hysteresis)
         self.min_scale = _positive_finite("min_scale", min_scale)
         self.max_scale = _positive_finite("max_scale", max_scale)
         if self.min_scale > self.max_scale:
@@ -325,11 +326,8 @@ class DynamicLossScale(LossScaleSchedule):
             raise ValueError(
                 f"`initial_scale` must be in [min_scale, max_scale] = "
                 f"[{self.min_scale!r}, {self.max_scale!r}], got {initial_scale!r}.")
-        if recovery_interval is not None and (
-                isinstance(recovery_interval, bool) or not isinstance(recovery_interval, int)
-                or recovery_interval < 1):
-            raise ValueError("`recovery_interval` must be None or an int >= 1, got "
-                             f"{recovery_interval!r}.")
+        if recovery_interval is not None:
+            recovery_interval = checks.count("recovery_interval", recovery_interval, 1)
         self.recovery_interval = recovery_interval
 
     def state_spec(self):
@@ -490,7 +488,7 @@ def get(identifier) -> LossScaleSchedule:
             return DynamicLossScale()
         raise ValueError("`schedule` must be a LossScaleSchedule, 'dynamic', a "
                          f"number or a serialized schedule, got {identifier!r}.")
-    if isinstance(identifier, (int, float)) and not isinstance(identifier, bool):
+    if checks.is_number(identifier):
         return FixedLossScale(identifier)
     if isinstance(identifier, dict):
         obj = deserialize_keras_object(identifier)

@@ -20,7 +20,6 @@ stay, the scale backs off), so an update is always k finite micro-batches.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import keras
@@ -29,16 +28,17 @@ from keras import initializers, ops
 from keras.saving import deserialize_keras_object, serialize_keras_object
 from keras.src.utils import tracking  # Keras's own LSO.build uses it too
 
+from keras_mp import _checks as checks
 from keras_mp import distribute
 from keras_mp.scaling import kernels, layer_scales as layer_scales_lib
 from keras_mp.scaling import loss_scale as loss_scale_lib
-from keras_mp.scaling.keras_names import KerasNamesMixin
+from keras_mp.scaling import skips
+from keras_mp.scaling.keras_names import (DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE,
+                                           KerasNamesMixin, growth_steps_of, legacy_schedule)
 from keras_mp.scaling.scaled_loss import ScaledLossCheck
 
 __all__ = ["LossScaleOptimizer"]
 
-_DEFAULT_INITIAL_SCALE = 2.0**15
-_DEFAULT_GROWTH_STEPS = 2000
 _KerasLSO = keras.optimizers.LossScaleOptimizer
 
 
@@ -46,41 +46,6 @@ def _in_xla_context() -> bool:
     from tensorflow.python.ops import control_flow_util  # no public equivalent
 
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
-def _whole_steps(value) -> int:
-    """A step count: an int >= 1, or a float holding one (``3.0``), as Keras accepts."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError("`dynamic_growth_steps` must be a whole number >= 1 (an int, or a "
-                         f"float such as 3.0), got {value!r}.")
-    return value
-
-
-def _growth_steps_of(schedule: loss_scale_lib.LossScaleSchedule) -> int | None:
-    """What ``dynamic_growth_steps`` reports: the schedule's fixed growth
-    interval, None when it has none (a fixed scale, as tf.keras reported)."""
-    interval = getattr(schedule, "growth_interval", None)
-    if not schedule.is_dynamic or isinstance(interval, bool) or not isinstance(interval, int):
-        return None
-    return interval
-
-
-def _legacy_schedule(initial_scale, dynamic_growth_steps) -> loss_scale_lib.DynamicLossScale:
-    if isinstance(initial_scale, bool) or not isinstance(initial_scale, (int, float)) \
-            or not math.isfinite(initial_scale) or initial_scale <= 0:
-        raise ValueError(f"`initial_scale` must be a finite number > 0, got {initial_scale!r}.")
-    dynamic_growth_steps = _whole_steps(dynamic_growth_steps)
-    initial_scale = float(initial_scale)
-    # Keras has no bounds; ours must contain the scale the user asked for.
-    return loss_scale_lib.DynamicLossScale(
-        initial_scale=initial_scale,
-        growth_interval=dynamic_growth_steps,
-        min_scale=min(1.0, initial_scale),
-        max_scale=max(2.0**24, initial_scale),
-        recovery_interval=None,   # Keras's semantics
-    )
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -101,10 +66,12 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
             :class:`keras_mp.FixedLossScale`), ``"dynamic"`` or a number (a
             fixed scale). Replaces the two arguments above.
         max_consecutive_skips: if set (an int >= 1), a step that makes the
-            number of consecutive skipped steps exceed it raises
-            ``tf.errors.InvalidArgumentError`` naming the variables whose
-            gradients were non-finite, instead of skipping forever. Needs a
-            train step that is not XLA-compiled (``jit_compile=False``).
+            number of consecutive skipped steps exceed it stops the run with
+            :class:`keras_mp.scaling.skips.TooManySkipsError` naming the
+            variables whose gradients were non-finite, instead of skipping
+            forever (``fit``, and ``apply`` run eagerly; a custom
+            ``tf.function`` loop gets TensorFlow's error with that sentence).
+            Needs a train step that is not XLA-compiled (``jit_compile=False``).
         layer_scales: per-layer loss scales (see
             :mod:`keras_mp.scaling.layer_scales`): each gradient is unscaled
             by the global scale times its layer's own factor, kept in the
@@ -145,8 +112,8 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
     def __init__(
         self,
         inner_optimizer,
-        initial_scale: float = _DEFAULT_INITIAL_SCALE,
-        dynamic_growth_steps: int = _DEFAULT_GROWTH_STEPS,
+        initial_scale: float = DEFAULT_INITIAL_SCALE,
+        dynamic_growth_steps: int = DEFAULT_GROWTH_STEPS,
         *,
         schedule: Any = None,
         max_consecutive_skips: int | None = None,
@@ -164,10 +131,10 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
                 "`inner_optimizer` must be a keras.optimizers.Optimizer instance, "
                 f"got {inner_optimizer!r} of type {type(inner_optimizer).__name__}.")
         if dynamic_growth_steps is None and schedule is not None:
-            dynamic_growth_steps = _DEFAULT_GROWTH_STEPS   # as get_config writes it
+            dynamic_growth_steps = DEFAULT_GROWTH_STEPS   # as get_config writes it
         if schedule is not None:
-            if initial_scale != _DEFAULT_INITIAL_SCALE or \
-                    dynamic_growth_steps != _DEFAULT_GROWTH_STEPS:
+            if initial_scale != DEFAULT_INITIAL_SCALE or \
+                    dynamic_growth_steps != DEFAULT_GROWTH_STEPS:
                 raise ValueError(
                     "Pass either `schedule` or `initial_scale`/`dynamic_growth_steps`, "
                     "not both: the schedule sets the initial scale and growth.")
@@ -175,12 +142,9 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
             schedule = loss_scale_lib.get(schedule)
         else:
             schedule_given = False
-            schedule = _legacy_schedule(initial_scale, dynamic_growth_steps)
-        if max_consecutive_skips is not None and (
-                isinstance(max_consecutive_skips, bool)
-                or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1):
-            raise ValueError("`max_consecutive_skips` must be None or an int >= 1, got "
-                             f"{max_consecutive_skips!r}.")
+            schedule = legacy_schedule(initial_scale, dynamic_growth_steps)
+        if max_consecutive_skips is not None:
+            max_consecutive_skips = checks.count("max_consecutive_skips", max_consecutive_skips, 1)
         if not isinstance(layer_scales, bool):
             raise ValueError(f"`layer_scales` must be True or False, got {layer_scales!r}.")
         if tf.distribute.has_strategy():
@@ -188,7 +152,7 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
         super().__init__(inner_optimizer, initial_scale=initial_scale,
                          dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)
         # None with a fixed scale (tf.keras's value); the schedule's interval otherwise.
-        self.dynamic_growth_steps = _growth_steps_of(schedule)
+        self.dynamic_growth_steps = growth_steps_of(schedule)
         self._schedule_given = schedule_given
         self.schedule = schedule
         self.max_consecutive_skips = max_consecutive_skips
@@ -251,6 +215,12 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
         return tf.convert_to_tensor(
             self.schedule.scale({k: v.value for k, v in self._state_variables.items()}))
 
+    def _unit_scale(self) -> bool:
+        """Whether the scale is 1 for good (``FixedLossScale(1.0)``, no
+        per-layer factors): the optimizer only skips non-finite steps."""
+        return not self.schedule.is_dynamic and self.initial_scale == 1.0 \
+            and not self.layer_scales
+
     def set_loss_scale(self, scale: float) -> None:
         """Sets the loss scale, outside a train step (the adaptive policy
         grows it when gradients underflow with headroom). The schedule
@@ -261,12 +231,15 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
         Args:
             scale: the new scale, a finite number > 0.
         """
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-                or not 0 < scale < math.inf:
-            raise ValueError(f"`scale` must be a finite number > 0, got {scale!r}.")
+        scale = checks.positive("scale", scale)
         if not self.built:
             raise ValueError("set_loss_scale() needs a built optimizer: call it after the "
                              "first step or optimizer.build(variables).")
+        if self._unit_scale():
+            raise ValueError("This LossScaleOptimizer's FixedLossScale(1.0) only skips "
+                             "non-finite steps; its traced steps do not unscale, so its scale "
+                             "cannot change. Wrap the inner optimizer with the schedule you "
+                             "want instead.")
         state = {k: v.value for k, v in self._state_variables.items()}
         for key, value in self.schedule.rescaled(state, float(scale)).items():
             var = self._state_variables[key]
@@ -326,8 +299,15 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
         total = scale if factors is None else scale * factors  # per gradient
         guard = self.step_guard
         bad = getattr(guard, "bad_data", None)
+        unit = self._unit_scale()
+
+        def unscale_and_check():  # a scale of exactly 1: no unscaling, one sum per gradient
+            if unit:
+                return grads, kernels.nonfinite_by_sums(grads)
+            return kernels.unscale_and_check(grads, total, return_mask=True)
+
         if self.statistics_sink is None:
-            unscaled, nonfinite = kernels.unscale_and_check(grads, total, return_mask=True)
+            unscaled, nonfinite = unscale_and_check()
         else:
             on = self.statistics_gate() if self.statistics_gate is not None else None
             if on is None:
@@ -336,7 +316,7 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
                 nonfinite = stats.nonfinite > 0
             else:
                 # Statistics only on the steps the gate lets through.
-                unscaled, nonfinite = kernels.unscale_and_check(grads, total, return_mask=True)
+                unscaled, nonfinite = unscale_and_check()
                 stats = tf.cond(on, lambda: kernels.gradient_statistics(grads, total),
                                 lambda: kernels.GradientStatistics(
                                     *[tf.zeros([len(grads)])] * len(kernels.STATISTICS)))
@@ -434,21 +414,8 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
                 "`max_consecutive_skips` needs a train step that is not XLA-compiled "
                 "(XLA drops assertions): compile the model with jit_compile=False, "
                 "or set max_consecutive_skips=None.")
-        names = [getattr(v, "path", v.name) for v in tvars]
-        limit = self.max_consecutive_skips
-
-        def fail():
-            # Formatted only when the limit is exceeded: string ops on every
-            # training step would cost time for a message rarely shown.
-            bad = tf.strings.reduce_join(
-                tf.boolean_mask(tf.constant(names), nonfinite > 0), separator=", ")
-            tf.debugging.Assert(False, [tf.strings.format(
-                "keras_mp.LossScaleOptimizer: {} consecutive steps had non-finite "
-                f"gradients (max_consecutive_skips={limit}); loss scale is now {{}}. "
-                "Non-finite gradients in: {}",
-                (consecutive, self.loss_scale, bad))], summarize=1)
-
-        ops.cond(consecutive > limit, fail, lambda: None)
+        skips.check(consecutive, nonfinite, [getattr(v, "path", v.name) for v in tvars],
+                    self.max_consecutive_skips, self.loss_scale)
 
     # -- serialization ----------------------------------------------------
 
@@ -472,7 +439,7 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
     def get_config(self):
         config = super().get_config()
         if self._schedule_given:
-            config["initial_scale"] = _DEFAULT_INITIAL_SCALE
+            config["initial_scale"] = DEFAULT_INITIAL_SCALE
             config["dynamic_growth_steps"] = self.dynamic_growth_steps
             config["schedule"] = serialize_keras_object(self.schedule)
         # Written only when set: with Keras's arguments alone the config is

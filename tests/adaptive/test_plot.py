@@ -92,14 +92,14 @@ def test_clear_errors(trained, monkeypatch):
 
 
 def test_the_picture_is_replaced_whole_or_not_at_all(trained, tmp_path):
-    """Written beside the file and renamed into place (keras_mp/_atomic.py); a
-    name without an extension gets matplotlib's default one, as matplotlib does."""
+    """Written beside the file and renamed into place (keras_mp/_atomic.py): no
+    temporary stays, and one a killed process left in the folder goes."""
+    from tests.faults import dead_pid
+
     model, _ = trained
+    stale = tmp_path / f".precision.png.tmp-{dead_pid()}-0123abcd.png"
+    stale.write_bytes(b"\x89PNG half")
+    (tmp_path / "precision.png").write_bytes(b"an older picture")
     keras_mp.plot_precision(model, tmp_path / "precision.png")
-    keras_mp.plot_precision(model, tmp_path / "noext")
-    (tmp_path / "precision.xyz").write_text("old")
-    with pytest.raises(ValueError, match="xyz"):  # matplotlib has no such format
-        keras_mp.plot_precision(model, tmp_path / "precision.xyz")
-    assert (tmp_path / "precision.xyz").read_text() == "old"
-    assert sorted(os.listdir(tmp_path)) == ["noext.png", "precision.png", "precision.xyz"]
-    assert (tmp_path / "noext.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(tmp_path) == ["precision.png"]
+    assert (tmp_path / "precision.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

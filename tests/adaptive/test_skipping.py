@@ -209,3 +209,13 @@ def test_bad_data_and_its_errors():
         skipping.guard("model")
     with pytest.raises(TypeError, match="`model`"):
         skipping.skipped(3)
+
+
+def test_a_scale_of_one_only_skips_and_cannot_be_changed():
+    opt = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(1.0), schedule=1.0)
+    v = keras.Variable([1.0, 2.0])
+    opt.apply([tf.constant([0.5, 0.5])], [v])
+    opt.apply([tf.constant([np.nan, 0.5])], [v])  # skipped: nothing changes
+    assert v.numpy().tolist() == [0.5, 1.5] and int(opt.skipped_steps.numpy()) == 1
+    with pytest.raises(ValueError, match="only skips non-finite steps"):
+        opt.set_loss_scale(2.0)

@@ -136,6 +136,35 @@ def test_unwritable_output_folder(tmp_path, capsys):
     assert len(err) == 1 and "error" in err[0]
 
 
+# As a user without the plot extra runs it: importing matplotlib fails.
+_WITHOUT_MATPLOTLIB = """
+import sys
+sys.modules["matplotlib"] = None
+from keras_mp.cli.command import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_bench_without_matplotlib_keeps_what_it_measured(tmp_path):
+    """The run goes on and writes bench.json (exit 0); one line says the
+    picture needs keras-mp[plot]. It used to compute every table and then die
+    in its plot with ModuleNotFoundError."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_MATPLOTLIB, "bench", "--quick", "--models", "mlp",
+         "--variants", "keras_float32", "--steps", "5", "--rounds", "5", "--no-memory",
+         "--size", "batch=16,features=32,width=64,depth=2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stdout.splitlines() if "keras-mp[plot]" in line]
+    assert said == ['bench.png (the picture) needs matplotlib, not installed: pip install '
+                    '"keras-mp[plot]". The bench runs on and writes bench.json.'], done.stdout
+    # Said before the run started, not after it.
+    assert done.stdout.index("keras-mp[plot]") < done.stdout.index("keras-mp bench --quick:")
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["results"]["mlp"]["keras_float32"]["cpu"]["median"] > 0
+    assert not (tmp_path / "bench.png").exists() and "Traceback" not in done.stderr
+
+
 def test_bench_memory_processes_ignore_the_working_folder(tmp_path, monkeypatch):
     """Run from a source checkout with keras-mp installed, a child started
     as ``python -m keras_mp.benchmarks.memory`` found the checkout's

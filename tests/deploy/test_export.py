@@ -132,7 +132,7 @@ def test_bad_arguments(tmp_path, kwargs, error, match):
 def test_an_export_replaces_the_last_whole_or_not_at_all(tmp_path):
     """Written beside the target and moved into place (keras_mp/_atomic.py): an earlier
     SavedModel is replaced whole, a failed export leaves the earlier file, and a
-    folder holding other files is refused before any work."""
+    folder holding other files is refused (it would be replaced with them)."""
     import tensorflow as tf
 
     model = _model()
@@ -155,6 +155,6 @@ def test_an_export_replaces_the_last_whole_or_not_at_all(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("the user's")
-    with pytest.raises(ValueError, match="`path` .*mine.* folder with other files"):
+    with pytest.raises(ValueError, match="`path` .*mine.* folder holding other files"):
         export(model, mine)
     assert os.listdir(mine) == ["notes.txt"]

@@ -12,12 +12,23 @@ the next interval re-checks):
 
 1. **Forward range** (reason ``input_range``, ``output_nonfinite`` or
    ``output_near_max``). The forward pass runs input to output, so once a value
-   leaves a narrow dtype's range every later layer sees the damage: the
-   *input-most* layer whose cast input was non-finite or beyond its dtype's
-   largest value, or whose output was non-finite or within a factor 16 of
-   it, in more than ``max_nonfinite`` (``max_near_max``) of the observed
-   steps, is promoted. This covers layers without weights (``Rescaling``,
-   ``Normalization``, ``Softmax``, ...), where the cast often is.
+   leaves a narrow dtype's range every later layer sees the damage. First, a
+   layer that **made** a non-finite value from finite inputs (its output was
+   non-finite in more than ``max_nonfinite`` of the observed steps beyond
+   those whose input already was) is where the overflow happened: the first
+   such layer in forward order is promoted (``output_nonfinite``), the
+   innermost where one contains another (given ``parents``): T5's attention
+   overflows in its own ops, not in its projections nor in the block around
+   it, and its promotion takes its sublayers along. A layer whose input was
+   already non-finite is downstream damage (a layer reused after the damage,
+   such as a tied output embedding, included). Otherwise the *input-most*
+   layer whose cast input was non-finite or beyond its dtype's largest value
+   (the cast overflowed there: nothing before it made the value), or whose
+   output was within a factor 16 of it, in more than ``max_nonfinite``
+   (``max_near_max``) of the observed steps, is promoted. This covers layers
+   without weights (``Rescaling``, ``Normalization``, ``Softmax``, ...), where
+   the cast often is. A batch that was itself not finite is bad data and adds
+   no evidence (:mod:`keras_mp.adaptive.integration.skipping`).
 2. **Non-finite gradients.** If, in more than ``max_nonfinite`` of the
    steps, *every* layer's gradients were non-finite and no forward statistic
    says where (``nonfinite_everywhere``), the input-most narrow layer is
@@ -134,6 +145,25 @@ def _forward_trouble(s: LayerStats, rule: DecisionRule) -> str | None:
     return None
 
 
+def _made_nonfinite(s: LayerStats, rule: DecisionRule) -> bool:
+    """Whether the layer made non-finite outputs from finite inputs (in more
+    than ``max_nonfinite`` of the observed steps)."""
+    return bool(s.forward_steps) and s.out_nonfinite - s.in_range > rule.max_nonfinite
+
+
+def _innermost(made: Sequence[int], parents: Sequence[int] | None) -> list[int]:
+    """``made`` without the layers that contain another of ``made``."""
+    if parents is None:
+        return list(made)
+    outer = set()
+    for j in made:
+        p = parents[j]
+        while p >= 0:
+            outer.add(p)
+            p = parents[p]
+    return [i for i in made if i not in outer]
+
+
 def _float8_trouble(s: LayerStats, rule: DecisionRule, margin: float = 1.0) -> str | None:
     """Why the float8 evidence says the layer should not be in float8, or None."""
     if not s.forward_steps:
@@ -188,7 +218,8 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
            loss_scale: float | None = None, max_loss_scale: float = 2.0**24,
            layer_scales: Sequence[float] | None = None,
            layer_groups: Sequence[int] | None = None,
-           confirm_proxies: bool | None = None) -> Decision:
+           confirm_proxies: bool | None = None,
+           parents: Sequence[int] | None = None) -> Decision:
     """Applies the rule (see the module docstring) to one interval.
 
     Args:
@@ -221,6 +252,9 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
             :data:`keras_mp.adaptive.decisions.rule.PROXY_REASONS`) waits for a probe
             that confirms harm; None: as ``validate_demotions`` (whether
             probes run).
+        parents: per layer (same order), the index of the nearest layer
+            given here that contains it (a sublayer of a composite layer), or
+            -1; None: not known (no layer is taken to contain another).
 
     Returns:
         A :class:`Decision` (with the loss scales to set, if any).
@@ -268,6 +302,11 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
                          f"got {len(float8_layers)}.")
     floats = tuple(c for c in order if c != "float8")
     orders = [order if f8 else floats for f8 in float8_layers]
+    if parents is not None and (len(parents) != len(states) or any(
+            isinstance(p, bool) or not isinstance(p, int) or not -1 <= p < len(states)
+            or p == i for i, p in enumerate(parents))):
+        raise ValueError(f"`parents` must hold, per layer, the index of another layer or -1 "
+                         f"({len(states)} entries), got {parents!r}.")
     for s, own in zip(states, orders):
         if s.dtype not in own:
             raise ValueError(f"A layer state's dtype must be one of its candidates {own}, "
@@ -309,10 +348,12 @@ def decide(stats: Sequence[LayerStats], states: Sequence[LayerState],
     def can_widen(i: int) -> bool:
         return wider(i, new[i].dtype) is not None
 
-    # 1. forward range: input-most
+    # 1. forward range: where a non-finite value was made, else input-most
     forward_bad = [(i, r) for i in measured if (r := _forward_trouble(stats[i], rule))]
     troubled.update(i for i, _ in forward_bad)
-    first = next(((i, r) for i, r in forward_bad if can_widen(i)), None)
+    made = _innermost([i for i in measured if _made_nonfinite(stats[i], rule)], parents)
+    first = next(((i, "output_nonfinite") for i in made if can_widen(i)), None) or \
+        next(((i, r) for i, r in forward_bad if can_widen(i)), None)
     if first is not None:
         promote(*first)
     # 2. non-finite gradients

@@ -120,23 +120,23 @@ class DecisionRule:
     scale_headroom: float = 16.0
 
     def __post_init__(self):
+        # Stored as the checks return them: Python numbers (a NumPy scalar
+        # given is accepted, and the config stays plain JSON).
         for name in ("max_nonfinite", "max_fp16_subnormal", "max_bf16_subnormal", "max_near_max",
                      "max_flushed", "max_float8_saturated", "max_float8_flushed",
                      "hysteresis"):
-            checks.fraction(name, getattr(self, name))
-        checks.positive("max_float8_growth", self.max_float8_growth)
+            object.__setattr__(self, name, checks.fraction(name, getattr(self, name)))
+        for name in ("max_float8_growth", "max_probe_loss_error", "max_probe_grad_error",
+                     "max_probe_noise_ratio", "scale_headroom"):
+            object.__setattr__(self, name, checks.positive(name, getattr(self, name)))
         if self.max_float8_growth <= 1:
             raise ValueError("`max_float8_growth` must be a number > 1, got "
                              f"{self.max_float8_growth!r}.")
-        for name in ("max_probe_loss_error", "max_probe_grad_error", "max_probe_noise_ratio"):
-            checks.positive(name, getattr(self, name))
         if self.hysteresis == 0:
             raise ValueError("`hysteresis` must be in (0, 1], got 0.")
-        checks.count("patience", self.patience, 1)
-        checks.count("cooldown", self.cooldown, 0)
-        checks.count("max_switches", self.max_switches, 1)
-        checks.count("max_strikes", self.max_strikes, 1)
-        checks.positive("scale_headroom", self.scale_headroom)
+        for name, low in (("patience", 1), ("cooldown", 0), ("max_switches", 1),
+                          ("max_strikes", 1)):
+            object.__setattr__(self, name, checks.count(name, getattr(self, name), low))
         if self.scale_headroom <= 1:
             raise ValueError("`scale_headroom` must be a number > 1, got "
                              f"{self.scale_headroom!r}.")
@@ -242,7 +242,7 @@ class LayerState:
         if self.dtype not in DTYPE_ORDER:
             raise ValueError(f"`dtype` must be one of {DTYPE_ORDER}, got {self.dtype!r}.")
         for name in ("healthy", "cooldown", "switches", "strikes", "trial", "suspect"):
-            checks.count(name, getattr(self, name), 0)
+            object.__setattr__(self, name, checks.count(name, getattr(self, name), 0))
         if self.suspect > len(PROXY_REASONS):
             raise ValueError(f"`suspect` must be in [0, {len(PROXY_REASONS)}], got "
                              f"{self.suspect!r}.")

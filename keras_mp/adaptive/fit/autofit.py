@@ -32,6 +32,11 @@ gradients are not finite, keeping everything as it was
 optimizer as ``AdaptivePrecision`` would and guards the train step before
 Keras traces it.
 
+The same wrapper, for every model, raises the stop of
+``LossScaleOptimizer(max_consecutive_skips=...)`` as
+:class:`keras_mp.scaling.skips.TooManySkipsError`, whose message is the
+sentence alone, in place of TensorFlow's error around it.
+
 Example:
     >>> import keras, numpy as np, keras_mp
     >>> from keras_mp.adaptive.fit import autofit
@@ -58,12 +63,14 @@ import sys
 import warnings
 
 import keras
+import tensorflow as tf
 
 from keras_mp import _checks as checks
 from keras_mp import _installed
 from keras_mp.adaptive.decisions import gain
 from keras_mp.adaptive.integration import optimizer_setup, skipping, step_functions, switching
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
+from keras_mp.scaling import skips
 
 __all__ = ["callback_of", "enabled", "install", "min_saving", "set_enabled", "set_min_saving"]
 
@@ -226,8 +233,7 @@ def install() -> None:
             return
         signature = _keras_signature()  # a wrapper: (self, *args, **kwargs)
 
-    @functools.wraps(keras_fit)
-    def fit(self, *args, **kwargs):
+    def adapted(self, *args, **kwargs):
         try:
             bound = signature.bind(self, *args, **kwargs)
         except TypeError:
@@ -248,6 +254,18 @@ def install() -> None:
         elif new is not callbacks:
             kwargs = {**kwargs, "callbacks": new}
         return keras_fit(self, *args, **kwargs)
+
+    @functools.wraps(keras_fit)
+    def fit(self, *args, **kwargs):
+        try:
+            return adapted(self, *args, **kwargs)
+        except tf.errors.OpError as e:
+            # max_consecutive_skips stopped the compiled step: its sentence
+            # first, not at the end of TensorFlow's op stack.
+            readable = skips.readable(e)
+            if readable is None:
+                raise
+            raise readable from None
 
     _state["keras_fit"] = keras_fit
     keras.Model.fit = fit

@@ -85,6 +85,7 @@ from keras_mp.scaling.optimizer import LossScaleOptimizer
 __all__ = ["AdaptivePrecision"]
 
 _STATS_ATTR = "_keras_mp_statistics"
+_NONFINITE = ("output_nonfinite", "input_range", "nonfinite", "nonfinite_everywhere")  # see update
 _STATE_ATTR = "_keras_mp_precision_state"
 _HOOKS_ATTR = "_keras_mp_hooks"
 
@@ -145,12 +146,12 @@ class AdaptivePrecision(keras.callbacks.Callback):
                  first_decision: int | None = 20, log_dir: str | None = None,
                  verbose: int = 0, history_logs: bool = True):
         super().__init__()
-        checks.count("interval", interval, 1)
+        interval = checks.count("interval", interval, 1)
         if statistics_every is None:
             # Five samples per decision, and never fewer than one step in 20
             # (the overhead budget: `python -m benchmarks.adaptive_overhead`).
             statistics_every = min(20, max(1, interval // 5))
-        checks.count("statistics_every", statistics_every, 1, interval)  # in [1, interval]
+        statistics_every = checks.count("statistics_every", statistics_every, 1, interval)
         if probe_every == "auto":
             probe_every = 2 * interval
         if probe_every is not None and (isinstance(probe_every, bool)
@@ -177,6 +178,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self.first_decision = None if first_decision is None else checks.count(
             "first_decision", first_decision, 1)
         self._first: int | None = None  # this fit's early decision (step_functions.first_call)
+        self._first_start = 0  # ... and where its window began
         self._expected: int | None = None  # this fit's calls, where known (set_params)
         self.log_dir = log_dir
         self.verbose = verbose
@@ -345,7 +347,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
     # -- Keras hooks -------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        self._restored, self._first = False, None
+        self._restored, self._first, self._first_start = False, None, 0
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._inert:
@@ -367,7 +369,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         if self._inert:
             return
         kind = step_functions.kind_of_call(self._calls + 1, self.statistics_every,
-                                           self.probe_every, self._first)
+                                           self.probe_every, self._first, self._first_start)
         self.model.train_function = self._train_functions()[kind]
 
     def on_train_batch_end(self, batch, logs=None):
@@ -455,6 +457,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             probe_loss_noise_ratio=interval.probe_loss_noise_ratio,
             validate_demotions=probes, confirm_proxies=probes,
             float8_layers=[policy.is_float8(self._paths[i]) for i in order],
+            parents=switching.parents([self._paths[i] for i in order]),
             **self._scales.arguments(order))
         self.scale_events += self._scales.apply(decision, order, self._calls,
                                                 verbose=self.verbose)
@@ -471,6 +474,10 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._state.write(new_states, policy.candidates, self._calls)
         self.events.extend(made)
         self._epoch_switches += len(made)
+        if self.first_decision and any(sw.reason in _NONFINITE for sw in decision.switches):
+            # Steps are being skipped: judge again soon, not an interval later
+            # (an overflow hides the next one downstream until it is gone).
+            self._first_start, self._first = self._calls, self._calls + max(2, self.first_decision // 4)
         timeline.record(self.model, self._calls, self._optimizer, self._paths,
                         self._scales.layer_loss_scales())
         self._log(interval, made)

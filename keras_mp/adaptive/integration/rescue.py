@@ -64,7 +64,7 @@ from keras.src.backend.common.name_scope import current_path
 from keras.src.metrics import accuracy_metrics
 
 from keras_mp._installed import installed
-from keras_mp.adaptive.policy.controlled_layers import _name_paths
+from keras_mp.adaptive.policy.layer_paths import name_paths
 from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
 from keras_mp.adaptive.decisions.rule import LayerState
 
@@ -166,7 +166,7 @@ def _path(layer: keras.layers.Layer) -> str:
     if layer.path is None:
         with layer._open_name_scope():
             object.__setattr__(layer, "_path", current_path())
-    _name_paths(layer)
+    name_paths(layer)
     return layer.path
 
 
@@ -307,7 +307,7 @@ def _name_once(model: keras.Model) -> None:
     _checked_paths.add(model)
     if any(layer.path is None and isinstance(layer._dtype_policy, AdaptivePolicy)
            for layer in model._flatten_layers(include_self=False)):
-        _name_paths(model)
+        name_paths(model)
 
 
 def _layer_call(self, *args, **kwargs):

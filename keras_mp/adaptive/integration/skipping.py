@@ -60,6 +60,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mp import _installed
+from keras_mp.scaling import kernels
 
 __all__ = ["SkipReport", "bad_data", "enabled", "guard", "install", "set_enabled", "skipped"]
 
@@ -100,8 +101,7 @@ def bad_data(data) -> tf.Tensor | None:
     floats = [t for t in floats if t.dtype.is_floating]
     if not floats:
         return None
-    finite = [tf.reduce_all(tf.math.is_finite(t)) for t in floats]
-    return tf.logical_not(tf.reduce_all(tf.stack(finite)))
+    return tf.reduce_any(kernels.nonfinite_by_sums(floats))  # one pass over each tensor
 
 
 class _Step:
@@ -280,6 +280,10 @@ class SkipReport(keras.callbacks.Callback):
         steps, count, bad, first = guard_.epoch()
         if not count:
             return
+        if count == steps and logs is not None and "loss" in logs:
+            # No step applied: the metric totals count none (Keras's mean of
+            # nothing reads 0); say so in the epoch's loss.
+            logs["loss"] = float("nan")
         why = f", {bad} of them bad data (non-finite inputs or targets)" if bad else ""
         warnings.warn(
             f"keras_mp: {count} of {steps} steps in epoch {epoch + 1} had non-finite "

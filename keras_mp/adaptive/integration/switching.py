@@ -30,7 +30,7 @@ from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
 if TYPE_CHECKING:  # an annotation only: the statistics load when a fit adapts
     from keras_mp.adaptive.evidence.stats import IntervalStats
 
-__all__ = ["refresh", "with_parents", "apply", "adopt", "write_records", "layer_states",
+__all__ = ["refresh", "parents", "with_parents", "apply", "adopt", "write_records", "layer_states",
            "trial_dtypes", "settle", "release", "NO_GAIN", "GAIN"]
 
 #: The reasons of :func:`settle` and :func:`release`.
@@ -81,6 +81,26 @@ def trial_dtypes(policy: AdaptivePolicy, paths: Sequence[str],
         order = policy.candidates_for(path)
         if st.trial and order.index(st.dtype) > 0:
             out[path] = order[order.index(st.dtype) - 1]
+    return out
+
+
+def parents(paths: Sequence[str]) -> list[int]:
+    """Per path, the index of the nearest other path that contains it (a
+    composite layer's), or -1.
+
+    Example:
+        >>> parents(["block", "block/attention", "block/attention/query", "dense"])
+        [-1, 0, 1, -1]
+    """
+    if isinstance(paths, str) or not all(isinstance(p, str) for p in paths):
+        raise TypeError(f"`paths` must be a sequence of layer paths (str), got {paths!r}.")
+    out = []
+    for path in paths:
+        best, length = -1, -1
+        for j, other in enumerate(paths):
+            if path.startswith(other + "/") and len(other) > length:
+                best, length = j, len(other)
+        out.append(best)
     return out
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_mp import _checks as checks
 from keras_mp._atomic import atomic_path
 from keras_mp.adaptive.record import timeline as timeline_lib
 from keras_mp.adaptive.outputs.report import precision_report
@@ -47,14 +48,10 @@ _ANNOTATE_AT_MOST = 12  # switches written out beside their markers; more: the l
 
 
 def _matplotlib():
-    try:
-        from matplotlib.colors import ListedColormap
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-    except ImportError as e:
-        raise ImportError('keras_mp.plot_precision needs matplotlib: pip install '
-                          '"keras-mp[plot]" (or pip install matplotlib).') from e
-    return Figure, ListedColormap, Patch
+    colors, figure, patches = checks.extra(
+        ("matplotlib.colors", "matplotlib.figure", "matplotlib.patches"), "plot",
+        "keras_mp.plot_precision")
+    return figure.Figure, colors.ListedColormap, patches.Patch
 
 
 def _grid(rows, end: int):
@@ -145,8 +142,10 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
             :class:`keras_mp.callbacks.AdaptivePrecision`, which ``fit``
             adds by itself).
         path: where to write the picture (PNG, or any format matplotlib
-            writes, by the file's extension); None writes nothing. The file
-            is replaced whole or not at all (written beside it, then renamed).
+            writes, by the file's extension, which it must have); None writes
+            nothing. Checked before anything is drawn: a file (replaced if it
+            exists) in an existing folder that can be written. The file is
+            replaced whole or not at all (written beside it, then renamed).
         title: the title; None: the model's name and policy.
         dpi: the resolution of the file written, an int in [50, 600].
 
@@ -155,14 +154,20 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
 
     Raises:
         ImportError: matplotlib is not installed.
-        ValueError: the model has no adaptive policy, or has not trained yet.
+        TypeError / ValueError: a bad argument (``path`` included), a model
+            with no adaptive policy, or one that has not trained yet.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a Keras model, got {model!r}.")
     if isinstance(dpi, bool) or not isinstance(dpi, int) or not 50 <= dpi <= 600:
         raise ValueError(f"`dpi` must be an int in [50, 600], got {dpi!r}.")
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"`path` must be a file path or None, got {path!r}.")
+    Figure, ListedColormap, Patch = _matplotlib()
+    if path is not None:
+        # Before anything is drawn: matplotlib would fail only in savefig.
+        formats = sorted(Figure().canvas.get_supported_filetypes(),
+                         key=lambda f: (f not in ("png", "svg", "pdf"), f))
+        path = checks.output_path("path", path, suffixes=tuple(f".{f}" for f in formats),
+                                  what=" (a format matplotlib writes)")
     report = precision_report(model)
     if not report.candidates:
         raise ValueError(f"`model` {model.name!r} has no adaptive policy (policy "
@@ -178,7 +183,6 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
     if end == 0:
         raise ValueError(f"`model` {model.name!r} has not trained under AdaptivePrecision yet: "
                          "nothing to plot (call fit first).")
-    Figure, ListedColormap, Patch = _matplotlib()
     edges, grid = _grid(rows, end)
     dtypes = list(DTYPE_COLORS)
     codes = np.array([[dtypes.index(d) if d in dtypes else len(dtypes) - 1 for d in line]
@@ -210,23 +214,12 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
     scale_ax.set_xlabel("step (train-function call)")
     scale_ax.set_xlim(0, end)
     if path is not None:
-        _write(fig, os.fspath(path), dpi)
+        with atomic_path(path) as tmp:  # whole or not at all: written beside, renamed
+            fig.savefig(tmp, dpi=dpi)
     # A figure made without pyplot: IPython shows it through this, with or
     # without matplotlib's inline backend set up.
     fig._repr_png_ = functools.partial(_png, fig, dpi)
     return fig
-
-
-def _write(fig, path: str, dpi: int) -> None:
-    """Writes the picture whole or not at all (:func:`keras_mp._atomic.atomic_path`),
-    in the format of the file's extension; without one, matplotlib's default format
-    with its extension added, where matplotlib itself writes such a name."""
-    fmt = os.path.splitext(path)[1][1:]
-    if not fmt:
-        fmt = fig.canvas.get_default_filetype()
-        path = path.rstrip(".") + "." + fmt
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=dpi, format=fmt)
 
 
 def _png(fig, dpi: int) -> bytes:

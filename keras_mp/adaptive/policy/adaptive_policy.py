@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -45,20 +46,13 @@ from keras.dtype_policies import DTypePolicy, DTypePolicyMap
 from keras_mp import _checks as checks
 from keras_mp import device
 from keras_mp.adaptive.policy import saved_policy
+from keras_mp.adaptive.policy.layer_paths import check_path, same_layer
 from keras_mp.adaptive.policy.float8_policy import Float8Policy, Float8Recipe
 from keras_mp.adaptive.decisions.rule import DecisionRule, sort_candidates
 
 __all__ = ["AdaptivePolicy", "patch_default_names"]
 
 _KERAS_FOR = {"float32": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
-
-
-def _strip_root(path: str) -> str:
-    return path.split("/", 1)[1] if "/" in path else path
-
-
-def _same_layer(path: str, key: str) -> bool:
-    return key == path or _strip_root(key) == path or _strip_root(path) == key
 
 
 def _keras_policy(dtype: str) -> DTypePolicy:
@@ -183,6 +177,7 @@ class AdaptivePolicy(DTypePolicyMap):
             raise TypeError(f"`name` must be a string or None, got {name!r}.")
         self._adaptive_name = name or "adaptive"
         super().__init__(default_policy=_keras_policy(self.float_candidates[0]))
+        self._models: Any = weakref.WeakValueDictionary()  # id -> a model it controls
         if float8 is not None and not isinstance(float8, dict):
             raise TypeError(f"`float8` must be a dict of layer path -> dtype, got {float8!r}.")
         for path, dtype in (float8 or {}).items():
@@ -194,12 +189,23 @@ class AdaptivePolicy(DTypePolicyMap):
                             f"{policies!r}.")
         for path, entry in (policies or {}).items():
             self.set_policy(path, entry)
-        self.records: dict[str, dict[str, Any]] = copy.deepcopy(records or {})
+        self.records: dict[str, dict[str, Any]] = copy.deepcopy(
+            saved_policy.check_records(records))
         if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
             raise ValueError(f"`calls` must be an int >= 0, got {calls!r}.")
         self.calls = calls
         self.loaded = False  # read from a file (saved_policy.read)
         self._override: dict[str, str] = {}
+
+    def __bool__(self) -> bool:
+        # A policy is there, whatever its entries: DTypePolicyMap's __len__
+        # (its entries) made `if policy_of(model):` false until a switch.
+        return True
+
+    def knows(self, model: keras.layers.Layer) -> None:
+        """Notes that ``model``'s layers hold this policy (``policy_of`` does),
+        so :meth:`assign` can refuse a path inside it that names none of them."""
+        self._models[id(model)] = model
 
     # -- the policy ------------------------------------------------------
 
@@ -280,7 +286,7 @@ class AdaptivePolicy(DTypePolicyMap):
         """
         if path in self._policy_map:
             return path
-        hits = [k for k in self._policy_map if _same_layer(path, k)]
+        hits = [k for k in self._policy_map if same_layer(path, k)]
         return hits[0] if len(hits) == 1 else None
 
     def __getitem__(self, key):
@@ -298,7 +304,7 @@ class AdaptivePolicy(DTypePolicyMap):
         """What the controller recorded for the layer at ``path`` (a live dict,
         created empty)."""
         if path not in self.records:
-            old = next((k for k in self.records if _same_layer(path, k)), None)
+            old = next((k for k in self.records if same_layer(path, k)), None)
             self.records[path] = self.records.pop(old) if old is not None else {}
         return self.records[path]
 
@@ -313,12 +319,17 @@ class AdaptivePolicy(DTypePolicyMap):
     def assign(self, path: str, dtype: str) -> None:
         """Sets the compute dtype of the layer at ``path`` (its next trace).
 
+        A layer may be given its dtype before it is built (before it has a
+        path), so only a path that cannot name a layer is refused: one with
+        an empty part, or one inside a model this policy knows (found on it
+        by ``keras_mp.policies.policy_of``, which ``fit`` calls) that names
+        none of its layers (:func:`~keras_mp.adaptive.policy.layer_paths.check_path`).
+
         Args:
             path: a layer's ``path``.
             dtype: one of :attr:`candidates`.
         """
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"`path` must be a non-empty layer path, got {path!r}.")
+        check_path(path, list(self._models.values()))
         if dtype not in self._candidates:
             raise ValueError(f"`dtype` must be one of the candidates {self._candidates}, "
                              f"got {dtype!r}.")

@@ -2,9 +2,10 @@
 
 Keras gives weightless layers no ``path`` (they are never built), so a
 ``DTypePolicyMap`` could never reach them: :func:`adaptive_layers` names them
-first, the way Keras would have. :func:`policy_of` makes every layer of a
-model share one :class:`~keras_mp.AdaptivePolicy` (the model's own, never
-the global policy of the moment instead). Both
+first, the way Keras would have (:mod:`keras_mp.adaptive.policy.layer_paths`).
+:func:`policy_of` makes every layer of a model share one
+:class:`~keras_mp.AdaptivePolicy` (the model's own, never the global policy of
+the moment instead), which from then on knows that model's layers. Both
 :mod:`keras_mp.adaptive.evidence.float8` and the callback walk models through here;
 :mod:`keras_mp.policies` re-exports both functions.
 
@@ -23,29 +24,9 @@ from __future__ import annotations
 import keras
 
 from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
+from keras_mp.adaptive.policy.layer_paths import name_paths
 
 __all__ = ["policy_of", "adaptive_layers"]
-
-
-def _name_paths(container: keras.layers.Layer) -> None:
-    """Gives a path to every layer below ``container`` that has none.
-
-    Keras sets a layer's ``path`` when it builds it, and never for a layer
-    without weights (no ``build``): such a layer (``ReLU``, ``Softmax``,
-    ``MultiHeadAttention``'s softmax) looks itself up in a policy map by a path
-    of None and always gets the default. Its path here is its siblings'
-    prefix (or its container's path) and its name, as Keras would have made it.
-    """
-    children = list(container._flatten_layers(include_self=False, recursive=False))
-    prefix = next((child.path[:-len(child.name)] for child in children
-                   if child.path and child.path.endswith(child.name)), None)
-    if prefix is None:
-        prefix = container.path + "/" if container.path else ""
-    for child in children:
-        if child.path is None:
-            # Not Keras's __setattr__: a path is not state to track.
-            object.__setattr__(child, "_path", prefix + child.name)
-        _name_paths(child)
 
 
 def policy_of(model: keras.Model) -> AdaptivePolicy | None:
@@ -66,7 +47,7 @@ def policy_of(model: keras.Model) -> AdaptivePolicy | None:
         if isinstance(getattr(layer, "_dtype_policy", None), AdaptivePolicy)]
     if not found:
         return None
-    _name_paths(model)
+    name_paths(model)
     current = keras.config.dtype_policy()
     chosen = next((layer._dtype_policy for layer in found
                    if layer._dtype_policy is not current), found[0]._dtype_policy)
@@ -74,6 +55,7 @@ def policy_of(model: keras.Model) -> AdaptivePolicy | None:
         if layer._dtype_policy is not chosen:
             # Not the `dtype_policy` setter: it would insert into the map.
             layer._dtype_policy = chosen
+    chosen.knows(model)
     return chosen
 
 
@@ -103,7 +85,7 @@ def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.la
     if not isinstance(policy, AdaptivePolicy):
         raise TypeError(f"`policy` must be an AdaptivePolicy (see policy_of), got {policy!r} "
                         f"of type {type(policy).__name__}.")
-    _name_paths(model)
+    name_paths(model)
     seen: set[int] = set()
     out = []
     for layer in model._flatten_layers(include_self=False):

@@ -46,8 +46,9 @@ class Float8Recipe:
     amax_compute_algo: str = "max"
 
     def __post_init__(self):
-        checks.count("margin", self.margin, 0, 16)
-        checks.count("amax_history_length", self.amax_history_length, 1)
+        object.__setattr__(self, "margin", checks.count("margin", self.margin, 0, 16))
+        object.__setattr__(self, "amax_history_length",
+                           checks.count("amax_history_length", self.amax_history_length, 1))
         if self.amax_compute_algo not in _ALGOS:
             raise ValueError(f"`amax_compute_algo` must be one of {_ALGOS}, got "
                              f"{self.amax_compute_algo!r}.")

@@ -53,7 +53,10 @@ from keras.src.backend.common import global_state  # no public name
 from keras.src.ops.operation import Operation  # no public name
 from keras.src.saving import serialization_lib  # no public name
 
-# first_in_save and read serve AdaptivePolicy's get_config and from_config.
+from keras_mp.adaptive.decisions.rule import DTYPE_ORDER, LayerState
+
+# first_in_save, read and check_records serve AdaptivePolicy's get_config,
+# from_config and constructor.
 __all__ = ["install"]
 
 #: The key of a short config: the whole policy is in another layer's config.
@@ -62,6 +65,9 @@ SHORT = "in_another_layer"
 _WRITTEN = "keras_mp/adaptive_policies_written"  # in the save's id -> config map
 _LOADED = "keras_mp/adaptive_policies_loaded"  # in the load's id -> object map
 _GLOBAL = "keras_mp/global_policy_before_load"
+_WHOLE = "keras_mp/adaptive_policies_read_whole"  # the policies a full config was read for
+_EDITED = ("The .keras file was edited or damaged: save the model again from where it "
+           "trained (or from a copy of the file made before).")
 
 
 def _scope(name: str) -> dict | None:
@@ -94,6 +100,8 @@ def read(cls, config: dict[str, Any]):
         return cls(**config)
     policies = loaded.setdefault(_LOADED, {})
     key = (config.get("name"), tuple(sorted(config.get("candidates") or ())))
+    if not short:
+        loaded.setdefault(_WHOLE, set()).add(key)
     policy = policies.get(key)
     if policy is None:
         policy = policies[key] = cls(**config)
@@ -130,10 +138,60 @@ def install(adaptive_policy: type) -> None:
     def __exit__(self, *args, **kwargs):
         loaded = _scope("id_to_obj_map")
         try:
-            return keras_exit(self, *args, **kwargs)
+            result = keras_exit(self, *args, **kwargs)
         finally:
             if loaded is not None and _GLOBAL in loaded:
                 global_state.set_global_attribute("dtype_policy", loaded[_GLOBAL])
+        if loaded is not None and not (args and args[0] is not None):
+            _check_whole(loaded)
+        return result
 
     __exit__._keras_mp = True
     scope.__exit__ = __exit__
+
+
+def _check_whole(loaded: dict) -> None:
+    """Refuses a load whose layers referred to an adaptive policy (a short
+    config) that no layer's config held whole: its entries and records were
+    removed or its reference altered, and the layers would take the
+    policy's defaults (float16 where float32 was saved, another dtype)."""
+    missing = [key for key in loaded.get(_LOADED, {}) if key not in loaded.get(_WHOLE, set())]
+    if missing:
+        name, candidates = missing[0]
+        raise ValueError(
+            f"Cannot load the model: its layers refer to the adaptive policy {name!r} "
+            f"(candidates {list(candidates)}), which no layer's config holds whole (no "
+            "entries, no records), so they would load with its defaults, not the precisions "
+            f"they were saved with. {_EDITED}")
+
+
+def check_records(records: Any) -> dict[str, dict[str, Any]]:
+    """``records`` (layer path -> what the controller recorded), if each
+    record is a dict whose ``"state"`` is a controller state's config and
+    whose ``"history"`` is a list of switches; an altered file fails here,
+    naming the layer, not later in training."""
+    if records is None:
+        return {}
+    if not isinstance(records, dict):
+        raise TypeError(f"`records` must be a dict of layer path -> record, got {records!r}.")
+    for path, record in records.items():
+        problem = None
+        if not isinstance(path, str) or not path or not isinstance(record, dict):
+            problem = f"{record!r} is not a record of a layer path"
+        elif record.get("state") is not None:
+            try:
+                LayerState(**record["state"])
+            except (TypeError, ValueError) as e:
+                problem = f"its state {record['state']!r} is invalid ({e})"
+        if problem is None and not _valid_history(record.get("history", [])):
+            problem = f"its history {record.get('history')!r} is not a list of switches"
+        if problem is not None:
+            raise ValueError(f"`records` of {path!r}: {problem}. {_EDITED}")
+    return records
+
+
+def _valid_history(history: Any) -> bool:
+    return isinstance(history, list) and all(
+        isinstance(h, dict) and isinstance(h.get("step"), int) and h["step"] >= 0
+        and h.get("old") in DTYPE_ORDER and h.get("new") in DTYPE_ORDER
+        and isinstance(h.get("reason"), str) for h in history)
