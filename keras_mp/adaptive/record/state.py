@@ -5,8 +5,9 @@ remembers per layer (dtype, healthy intervals, cool-down, switches, strikes,
 trial) and the call counter, as int variables, so that ``save_weights``,
 ``ModelCheckpoint``, ``BackupAndRestore`` and ``tf.train.Checkpoint`` carry
 it. Beside its variables, in the same weights file, it writes the run's
-record: every layer's switch history and the timeline the picture draws
-(:mod:`keras_mp.adaptive.record.timeline`), as JSON in one byte array
+record: every layer's switch history, the timeline the picture draws
+(:mod:`keras_mp.adaptive.record.timeline`) and the controller's next early
+decision, as JSON in one byte array
 (``"record"``), so that a run resumed by ``BackupAndRestore`` (a weights-only
 checkpoint) goes on with its whole history; ``tf.train.Checkpoint`` saves
 variables only and does not carry the record. :func:`attached` attaches such
@@ -84,22 +85,31 @@ class PrecisionState(AttachedState):
         self._last: tuple | None = None  # what was last written or read, on the host
         self._bound: tuple | None = None  # weak references to the model and its policy
         self._loaded: dict[str, Any] | None = None  # the record a weights file brought
+        self._schedule: list[int] | None = None  # a decision due soon: [call, window start]
 
     def bind(self, model: keras.Model, policy) -> None:
         """The model and policy whose record (switch histories, timeline)
         the weights files get beside the variables."""
         object.__setattr__(self, "_bound", (weakref.ref(model), weakref.ref(policy)))
 
+    def set_schedule(self, call: int | None, start: int = 0) -> None:
+        """The controller's next early decision (at ``call``, its window from
+        ``start``; None: none), which the record carries: a run resumed before
+        that call decides there too."""
+        object.__setattr__(self, "_schedule", None if call is None else [int(call), int(start)])
+
     def record(self) -> dict[str, Any] | None:
-        """The run's record as saved: ``history`` (layer path -> its switches)
-        and ``timeline`` (:meth:`Timeline.get_config`, or None); None unbound."""
+        """The run's record as saved: ``history`` (layer path -> its switches),
+        ``timeline`` (:meth:`Timeline.get_config`, or None) and ``schedule``
+        (:meth:`set_schedule`); None unbound."""
         model, policy = (ref() for ref in self._bound) if self._bound else (None, None)
         if model is None or policy is None:
             return None
         held = timeline_lib.of(model)
         return {"history": {p: [dict(h) for h in policy.record(p).get("history", [])]
                             for p in self.paths},
-                "timeline": None if held is None else held.get_config()}
+                "timeline": None if held is None else held.get_config(),
+                "schedule": self._schedule}
 
     def take_record(self) -> dict[str, Any] | None:
         """The record the last weights file loaded brought (once; None
