@@ -354,7 +354,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             self._first = step_functions.first_call(  # from scratch: judge early
                 self.first_decision, self.interval, (self.params or {}).get("steps"), self._calls,
                 self._expected)
-            if schedule:  # a judgement the restored run had due soon
+            if schedule and self.first_decision:  # a judgement the restored run had due soon
                 self._first, self._first_start = schedule
             self._state.set_schedule(self._first, self._first_start)
             if timeline.of(self.model) is None:  # the start, for plot_precision
