@@ -323,14 +323,11 @@ def quiet_tensorflow() -> None:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows."""
+    """The CPU's model name as keras-mp reads it (``keras_mp.device._cpuinfo``:
+    with ``KERAS_MP_CPU_CLASS`` set, "... (decisions of class X)"), or what
+    ``platform`` knows."""
     import platform
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f
-                        if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return cpu
+    from keras_mp.device import _cpuinfo
+
+    return _cpuinfo.fields().get("model name") or platform.processor() or platform.machine()

@@ -185,7 +185,10 @@ def _machine(prof, exec_prof) -> dict[str, Any]:
     gpus = tf.config.list_physical_devices("GPU")
     gpu_names = [tf.config.experimental.get_device_details(g).get("device_name", g.name)
                  for g in gpus]
+    from keras_mp.device import _cpuinfo
+
     return {"cpu": cpu, "cores": os.cpu_count(), "cpu_flags": sorted(prof.flags),
+            "cpu_class": _cpuinfo.describe(),
             "gpus": gpu_names, "device_type": prof.device_type,
             "fast_dtypes": list(prof.fast),
             "xla_step_speedup": {d: round(exec_prof.xla_speedup(d), 3)

@@ -30,12 +30,18 @@ from keras_mp.device import _cpuinfo  # noqa: E402
 
 
 def _cpu_seen_by_the_tests():
-    """``KERAS_MP_TEST_CPU_FLAGS="avx2"``: keras_mp.device reads these CPU flags
-    in the test process, not the real CPU's (CI's CPU changes between runs;
-    ``avx2`` alone is a CPU without 16-bit units, where ``"adaptive"`` is
-    float32). Matmuls are still measured; subprocesses see the real CPU."""
+    """``KERAS_MP_TEST_CPU_FLAGS="avx2"``: the tests run as on a CPU of that
+    class (``avx2``, ``avx512_bf16``, ``amx_bf16``: CI's CPU changes between
+    runs; ``avx2`` alone is a CPU without 16-bit units, where ``"adaptive"`` is
+    float32), through keras-mp's own ``KERAS_MP_CPU_CLASS``
+    (keras_mp/device/_cpuinfo.py), which subprocesses inherit. Other flag
+    lists are written to a file keras_mp.device reads in this process only.
+    Matmuls are still measured on this machine."""
     flags = os.environ.get("KERAS_MP_TEST_CPU_FLAGS")
     if flags is None:
+        return
+    if flags.strip().lower() in _cpuinfo.CLASSES:
+        os.environ[_cpuinfo.ENV_VAR] = flags.strip().lower()
         return
     import tempfile
 

@@ -22,7 +22,10 @@ The pairs (:data:`PAIRS`), keras-mp's mode against its control:
 
 In the first two pairs ``fit`` adapts every fit
 (``autofit.set_min_saving(0)``), as it adapts a fit large enough to gain: the
-comparison is of adaptation with Keras's mixed precision.
+comparison is of adaptation with Keras's mixed precision, and the callback
+``fit`` adds samples statistics on every call and runs the float32 probe every
+second call, so that the suites' short fits run both (the defaults probe once
+in 200 calls; :mod:`tests.keras_suites_plugin`).
 
 In keras-mp's modes ``keras_mp.LossScaleOptimizer`` stands wherever Keras uses
 its own. CI runs :data:`CI_FILES` (``tests/test_keras_suites.py``); the full

@@ -452,6 +452,8 @@ CASES = [
      TypeError, "`float8`"),
     ("adaptive.policy.adaptive_policy.AdaptivePolicy", lambda: policies.AdaptivePolicy(
         ("bfloat16", "float32")).assign("dense", "adaptive.evidence.float8"), ValueError, "`dtype`"),
+    ("scaling.kernels.nonfinite_by_sums", lambda: kernels.nonfinite_by_sums(tf.ones([2])),
+     TypeError, "`grads`"),
     ("adaptive.integration.switching.parents", lambda: switching.parents("dense"), TypeError,
      "`paths`"),
     ("adaptive.decisions.controller.decide", lambda: controller.decide(

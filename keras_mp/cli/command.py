@@ -30,6 +30,12 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpuinfo_line() -> str:
+    from keras_mp.device import _cpuinfo
+
+    return _cpuinfo.describe()
+
+
 def _info(args: argparse.Namespace) -> int:
     import keras
     import tensorflow as tf
@@ -46,6 +52,7 @@ def _info(args: argparse.Namespace) -> int:
         f"keras-mp {__version__}, Keras {keras.__version__}, "
         f"TensorFlow {tf.__version__}",
         f"CPU: {_cpu_name()} ({os.cpu_count()} cores); low-precision flags: {flags}",
+        f"  {_cpuinfo_line()}",
         f"GPUs: {', '.join(g.name for g in gpus) or 'none'}; TPUs: "
         f"{', '.join(t.name for t in tpus) or 'none'}",
         f"Device used: {prof.device_type}",

@@ -128,8 +128,17 @@ def _measure(device_type: str, n: int, repeats: int) -> dict[str, float]:
     # processes hits all of them rather than whichever was being timed.
     out: dict[str, float] = {}
     fns = {}
+    # Deciding as a CPU class without a dtype's units (KERAS_MP_CPU_CLASS),
+    # that dtype is not measured: with oneDNN capped to that class
+    # (ONEDNN_MAX_CPU_ISA=AVX2 on a CPU with bfloat16 units), TensorFlow's
+    # bfloat16 matmul aborts the process.
+    lacking = () if device_type != "CPU" or _cpuinfo.cpu_class() is None else tuple(
+        d for d, has in _hardware("CPU", cpu_flags()).items() if not has)
     with tf.device(f"/{device_type}:0"):
         for dtype in ("float32", *NARROW_DTYPES):
+            if dtype in lacking:
+                out[dtype] = 0.0
+                continue
             x = tf.cast(tf.random.stateless_normal([n, n], seed=[1, 2]), dtype)
             fn = tf.function(lambda a: tf.matmul(a, a), autograph=False)
             try:

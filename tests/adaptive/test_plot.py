@@ -1,5 +1,7 @@
 """keras_mp.plot_precision: the picture of a run, drawn from what
-AdaptivePrecision recorded (a float16 run whose input layer overflows)."""
+AdaptivePrecision recorded (a float16 run whose input layer overflows), and
+its layout: labels that never overlap, legends inside the image, for 2, 50
+and 70 layers, with and without switches."""
 
 import os
 import sys
@@ -9,8 +11,11 @@ import numpy as np
 import pytest
 
 import keras_mp
-from keras_mp.adaptive.record import timeline
+from keras_mp.adaptive.integration import switching
 from keras_mp.adaptive.outputs.plot import DTYPE_COLORS
+from keras_mp.adaptive.outputs.report import switch_text
+from keras_mp.adaptive.policy.controlled_layers import adaptive_layers
+from keras_mp.adaptive.record import timeline
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +59,12 @@ def test_the_picture_carries_every_layer_dtype_and_switch(trained, tmp_path):
     assert [dtypes[int(c)] for c in codes[:, -1]] == [r["dtype"] for r in report.rows]
     # Each switch: a marker at its step and row, its reason in the legend and beside it.
     markers = {c.get_gid(): c.get_offsets().tolist() for c in ax.collections[1:]}
-    texts = [t.get_text() for t in ax.texts]
+    labels = {t.get_gid(): t.get_text() for t in ax.texts}
     for e in cb.events:
         row = names.index(e["layer"].split("/")[-1])
         assert [e["step"], row + 0.5] in markers[f"switch:{e['reason']}"]
-        assert f" {e['old']}->{e['new']} ({e['reason']})" in texts
+        assert switch_text(e) in labels[f"switches:{e['layer']}"].split(", ")
+    _check_layout(fig)
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert any(t.startswith("input_range (") for t in legend), legend
     # The loss scale as recorded at each decision, and the skipped steps.
@@ -89,6 +95,127 @@ def test_clear_errors(trained, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # not installed
     with pytest.raises(ImportError, match=r"keras-mp\[plot\]"):
         keras_mp.plot_precision(model)
+
+
+def _check_layout(fig):
+    """The drawn picture, measured with its renderer: no two switch labels
+    overlap (text or box), each inside the layer rows; every legend inside
+    the image, right of the plots, none over another. Returns the labels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.legend import Legend
+
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    rows = ax.get_window_extent(renderer)
+    labels = list(ax.texts)
+    boxes = [(t.get_window_extent(renderer), t.get_bbox_patch().get_window_extent(renderer))
+             for t in labels]
+    for k, (text, patch) in enumerate(boxes):
+        assert rows.x0 <= text.x0 and text.x1 <= rows.x1, (labels[k].get_text(), text, rows)
+        for other, other_patch in boxes[k + 1:]:
+            assert not text.overlaps(other) and not patch.overlaps(other_patch), \
+                (labels[k].get_text(), text, other)
+    legends = list({id(x): x for x in fig.findobj(Legend)}.values())
+    extents = [x.get_window_extent(renderer) for x in legends]
+    for k, extent in enumerate(extents):
+        title = legends[k].get_title().get_text()
+        assert 0 <= extent.x0 and extent.x1 <= fig.bbox.x1 and 0 <= extent.y0 \
+            and extent.y1 <= fig.bbox.y1, (title, extent, fig.bbox)
+        assert extent.x0 >= rows.x1, (title, extent, rows)
+        assert not any(extent.overlaps(other) for other in extents[k + 1:]), title
+    return labels, [x.get_title().get_text() for x in legends]
+
+
+def _stack(n, policy="adaptive_bfloat16"):
+    with keras_mp.policy_scope(policy):
+        return keras.Sequential([keras.Input((4,)), *(keras.layers.Dense(4) for _ in range(n))],
+                                name=f"stack{n}")
+
+
+def _recorded(model, switches, end):
+    """``switches`` (layer index, step, new dtype, reason), made as
+    AdaptivePrecision makes them, in a run of ``end`` steps."""
+    policy = keras_mp.policies.policy_of(model)
+    layers = adaptive_layers(model, policy)
+    paths = [layer.path for layer in layers]
+    timeline.record(model, 0, None, paths, None)
+    for k, step, new, reason in sorted(switches, key=lambda s: s[1]):
+        switching.apply(policy, paths, layers, [(k, policy.dtype_of(paths[k]), new, reason)],
+                        calls=step)
+    timeline.finish(model, end)
+    return model
+
+
+def _twice_at(k, step):
+    return [(k, step, "float32", "no_gain"), (k, step, "bfloat16", "gain")]
+
+
+@pytest.mark.parametrize("n", [50, 70])
+@pytest.mark.parametrize("case", ["none", "few", "many"])
+def test_labels_and_legends_of_deep_models(n, case):
+    """Switches recorded as the callback records them: none; a few (two at
+    one step on each of three layers, three close together on one, one at
+    the last step), all written out; one on each layer (too many to write)."""
+    switches = {"none": [],
+                "few": [*_twice_at(0, 0), *_twice_at(1, 0), *_twice_at(n - 1, 0),
+                        (5, 40, "float32", "input_range"), (5, 41, "bfloat16", "healthy"),
+                        (5, 43, "float32", "probe_error"), (n // 2, 399, "float32", "with_parent")],
+                "many": [(k, 7 * k % 400, "float32", "probe_error") for k in range(n)]}[case]
+    model = _recorded(_stack(n), switches, end=400)
+    fig = keras_mp.plot_precision(model)
+    labels, legends = _check_layout(fig)
+    assert len(fig.axes[0].get_yticklabels()) == n
+    assert legends[0] == "dtype"
+    assert ("switch reason (count)" in legends) == bool(switches)
+    if case == "few":
+        texts = {t.get_gid(): t.get_text() for t in labels}
+        assert len(texts) == 5
+        paths = [layer.path for layer in model.layers]
+        assert texts[f"switches:{paths[0]}"] == \
+            "bfloat16->float32@0 (no_gain), float32->bfloat16@0 (gain)"
+        assert texts[f"switches:{paths[5]}"].split(", ") == [
+            "bfloat16->float32@40 (input_range)", "float32->bfloat16@41 (healthy)",
+            "bfloat16->float32@43 (probe_error)"]
+        assert texts[f"switches:{paths[n // 2]}"] == "bfloat16->float32@399 (with_parent)"
+    else:
+        assert labels == []
+
+
+def test_labels_and_legends_of_two_layers_after_real_fits():
+    """Two layers, real fits: one that adapts and switches nothing, then one
+    whose first fit is too small to gain (``no_gain``), the next adapting it
+    (``gain``, at the same step) while its input overflows float16
+    (``input_range``)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 1))
+    calm = _stack(2)
+    calm.compile(optimizer="adam", loss="mse")
+    calm.fit(x, y, batch_size=8, epochs=2, verbose=0,
+             callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=2)])
+    assert timeline.of(calm).last_step == 8
+    assert all(not r["history"] for r in keras_mp.precision_report(calm).rows)
+    labels, legends = _check_layout(keras_mp.plot_precision(calm))
+    assert labels == [] and "dtype" in legends and "switch reason (count)" not in legends
+
+    model = _stack(2, "adaptive_float16")
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # too small to gain: float32
+    x[::8, 0] = 7e4  # beyond float16
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+              callbacks=[keras_mp.callbacks.AdaptivePrecision(interval=2)])
+    first, last = keras_mp.precision_report(model).rows
+    assert [h["reason"] for h in first["history"]] == ["no_gain", "gain", "input_range"]
+    assert [(h["step"], h["reason"]) for h in last["history"][:2]] == [(0, "no_gain"),
+                                                                       (0, "gain")]
+    fig = keras_mp.plot_precision(model)
+    labels, legends = _check_layout(fig)
+    assert {t.get_gid(): t.get_text().split(", ") for t in labels} == {
+        f"switches:{r['layer']}": [switch_text(h) for h in r["history"]] for r in (first, last)}
+    # The loss scale's legend (no title) below, beside the scale.
+    assert sorted(legends) == ["", "dtype", "switch reason (count)"]
+    switches = len(first["history"]) + len(last["history"])
+    assert fig.axes[0].get_title().endswith(f"2 layers, {switches} switches")
 
 
 def test_the_picture_is_replaced_whole_or_not_at_all(trained, tmp_path):

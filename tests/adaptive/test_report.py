@@ -54,7 +54,11 @@ def test_report_after_a_switch_has_dtypes_statistics_and_history():
     assert "| loss scale |" in str(r)
     text = str(r)
     assert "float16->float32@2 (input_range)" in text
-    assert text.count("\n") == 2 + len(r.rows)
+    # head, titles, rule, a row per layer, then the steps skipped (the
+    # overflowing steps before the switch)
+    assert r.skipped_steps and r.skipped_steps == int(model.optimizer.skipped_steps.numpy())
+    assert text.splitlines()[3 + len(r.rows):] == [
+        f"skipped steps (non-finite gradients): {r.skipped_steps}"]
     relu_cells = text.splitlines()[3 + 1].split(" | ")
     assert relu_cells[3] == "n/m"  # no gradients: not measured, not 0
     assert "grad nonfinite:" in r.legend() and "n/m" in r.legend()
@@ -83,3 +87,38 @@ def test_report_of_a_model_that_is_not_adaptive(policy, dtype):
 def test_report_rejects_non_models():
     with pytest.raises(TypeError, match="model"):
         precision_report("model")
+
+
+def _switches_column(report):
+    """Layer path -> the table's ``switches`` cell."""
+    lines = str(report).splitlines()
+    titles = lines[1].strip("| ").split(" | ")
+    rows = [line.strip("| ").split(" | ") for line in lines[3:3 + len(report.rows)]]
+    return {cells[0]: cells[titles.index("switches")] for cells in rows}
+
+
+def test_switches_count_every_dtype_change_of_the_history():
+    """A small fit trains in float32 (``no_gain``), the next fit adapts
+    (``gain`` back to float16, at the same step), and the first layer's input
+    overflows float16 (``input_range``): every one of them is a switch in the
+    report, where the controller's state counts only its own."""
+    model = _model("adaptive_float16")
+    x = np.ones((16, 4), "float32")
+    model.fit(x, np.ones((16, 1)), batch_size=8, epochs=1, verbose=0)  # too small to gain
+    assert [layer.compute_dtype for layer in model.layers] == ["float32"] * 3
+    x[::8, 0] = 7e4
+    cb = AdaptivePrecision(interval=2)
+    model.fit(x, np.ones((16, 1)), batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+    r = precision_report(model)
+    first, relu, last = r.rows
+    assert [h["reason"] for h in first["history"]] == ["no_gain", "gain", "input_range"]
+    assert [h["step"] for h in first["history"]] == [0, 0, 2]
+    for row in (relu, last):
+        assert [(h["old"], h["new"], h["reason"]) for h in row["history"]] == [
+            ("float16", "float32", "no_gain"), ("float32", "float16", "gain")]
+    assert [row["switches"] for row in r.rows] == [3, 2, 2]
+    assert _switches_column(r) == {first["layer"]: "3", relu["layer"]: "2", last["layer"]: "2"}
+    # The rule's bound (max_switches) counts the controller's switches alone.
+    assert [row["state"]["switches"] for row in r.rows] == [1, 0, 0]
+    assert first["compute_dtype"] == "float32" and last["compute_dtype"] == "float16"
+

@@ -22,6 +22,7 @@ def test_cpuinfo_is_read_in_one_place(monkeypatch, tmp_path):
     from keras_mp.cli import command
     from keras_mp.device import _cpuinfo, cache, xla
 
+    monkeypatch.delenv("KERAS_MP_CPU_CLASS", raising=False)  # this CPU's own reading
     path = tmp_path / "cpuinfo"
     path.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 avx512_bf16\n\n"
                     "processor\t: 1\nmodel name\t: Other\nflags\t\t: fpu\n")
@@ -44,6 +45,35 @@ def test_cpuinfo_is_read_in_one_place(monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         xla.cpu_has_bf16_matmul.cache_clear()
+
+
+def test_a_cpu_class_is_decided_as_on_any_machine(monkeypatch, tmp_path):
+    """KERAS_MP_CPU_CLASS: keras-mp reads the class's flags (its decisions), the
+    CPU's name says so (the measurement cache keeps it apart), and keras-mp
+    info and the bench say whose decisions on what hardware."""
+    from keras_mp.device import _cpuinfo, cache
+
+    path = tmp_path / "cpuinfo"
+    path.write_text("processor\t: 0\nmodel name\t: Big CPU\nflags\t\t: fpu avx2 avx512_bf16\n")
+    monkeypatch.setattr(_cpuinfo, "PATH", str(path))
+    monkeypatch.setenv("KERAS_MP_CPU_CLASS", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert _cpuinfo.fields()["model name"] == "Big CPU (decisions of class avx2)"
+    assert not {"avx512_bf16", "amx_bf16"} & capabilities.cpu_flags()
+    assert cache._cpu_lines()[0] == "Big CPU (decisions of class avx2)"
+    assert _cpuinfo.describe() == ("decisions of class avx2 on Big CPU; kernels capped: "
+                                   "ONEDNN_MAX_CPU_ISA=AVX2")
+    assert _cpuinfo.kernel_caps("amx_bf16")["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_AMX"
+    monkeypatch.setenv("KERAS_MP_CPU_CLASS", "amx_bf16")
+    assert "amx_bf16" in capabilities.cpu_flags()
+    monkeypatch.setenv("KERAS_MP_CPU_CLASS", "pentium")
+    with pytest.raises(ValueError, match="KERAS_MP_CPU_CLASS must be one of"):
+        _cpuinfo.fields()
+    with pytest.raises(ValueError, match="`name`"):
+        _cpuinfo.kernel_caps("pentium")
+    monkeypatch.delenv("KERAS_MP_CPU_CLASS")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert _cpuinfo.describe().startswith("decisions of this CPU on Big CPU; kernels uncapped")
 
 
 def test_judge_needs_hardware_and_a_measurement_that_agrees():

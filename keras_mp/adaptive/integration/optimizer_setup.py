@@ -98,7 +98,11 @@ def connect(model: keras.Model, policy, loss_scale=None, keras_train_step: bool 
         return wrap_for_loss_scaling(model, opt, "dynamic" if loss_scale is None else loss_scale,
                                      policy.layer_loss_scales, keras_train_step)
     if skip_nonfinite:
-        return wrap_for_loss_scaling(model, opt, loss_scale_lib.FixedLossScale(1.0), False, True)
+        # A loss_scale_factor of the user's becomes the fixed scale (Keras's
+        # wrapper takes the inner optimizer's over); none: 1, only the skip.
+        factor = getattr(opt, "loss_scale_factor", None)
+        return wrap_for_loss_scaling(model, opt, loss_scale_lib.FixedLossScale(
+            float(factor) if factor else 1.0), False, True)
     return opt
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from keras_mp import _checks as checks
 from keras_mp._atomic import atomic_path
 from keras_mp.adaptive.record import timeline as timeline_lib
-from keras_mp.adaptive.outputs.report import precision_report
+from keras_mp.adaptive.outputs.report import precision_report, switch_text
 
 __all__ = ["DTYPE_COLORS", "plot_precision"]
 
@@ -45,13 +45,14 @@ DTYPE_COLORS = {"float8": "#8172b3", "float16": "#55a868", "bfloat16": "#dd8452"
                 "float32": "#4c72b0"}
 _MARKERS = "os^vDPX*hp<>"
 _ANNOTATE_AT_MOST = 12  # switches written out beside their markers; more: the legend only
+_GAP = 6.0  # points between the legends of the column, and from a label to its marker
 
 
 def _matplotlib():
-    colors, figure, patches = checks.extra(
-        ("matplotlib.colors", "matplotlib.figure", "matplotlib.patches"), "plot",
-        "keras_mp.plot_precision")
-    return figure.Figure, colors.ListedColormap, patches.Patch
+    colors, figure, patches, transforms = checks.extra(
+        ("matplotlib.colors", "matplotlib.figure", "matplotlib.patches",
+         "matplotlib.transforms"), "plot", "keras_mp.plot_precision")
+    return figure.Figure, colors.ListedColormap, patches.Patch, transforms
 
 
 def _grid(rows, end: int):
@@ -82,13 +83,76 @@ def _draw_switches(ax, rows) -> None:
         mine = [(h, i) for h, i in switches if h["reason"] == reason]
         ax.scatter([h["step"] for h, _ in mine], [i + 0.5 for _, i in mine],
                    marker=_MARKERS[k % len(_MARKERS)], s=42, facecolor="white",
-                   edgecolor="black", linewidth=1.0, zorder=3,
+                   edgecolor="black", linewidth=1.0, zorder=5,  # over the labels
                    label=f"{reason} ({len(mine)})", gid=f"switch:{reason}")
-    if len(switches) <= _ANNOTATE_AT_MOST:
-        for h, i in switches:
-            ax.annotate(f" {h['old']}->{h['new']} ({h['reason']})", (h["step"], i + 0.5),
-                        fontsize=7, va="center", zorder=4,
-                        bbox=dict(boxstyle="round,pad=0.15", fc="white", alpha=0.8, lw=0))
+
+
+def _height(artist) -> float:
+    """An artist's drawn height, in points."""
+    return artist.get_window_extent().height * 72 / artist.get_figure().dpi
+
+
+def _draw_legends(ax, Patch, transforms, present: list[str]) -> float:
+    """The dtype legend and, below it, the switch reasons' (where any layer
+    switched), in one column right of the layer rows; both take part in the
+    layout, so the image holds them. Returns the column's height in inches."""
+    fig = ax.get_figure()
+    kw = dict(fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    dtypes = ax.legend([Patch(color=DTYPE_COLORS[d]) for d in present], present,
+                       title="dtype", **kw)
+    height = _height(dtypes)
+    if not ax.get_legend_handles_labels()[0]:
+        return height / 72
+    # The switch reasons' legend replaces the axes' own: the dtype legend stays
+    # as an artist, unclipped (an artist clipped to the axes is left out of
+    # the layout, and would be cut off at the image's edge).
+    ax.add_artist(dtypes)
+    dtypes.set_clip_on(False)
+    below = transforms.offset_copy(ax.transAxes, fig=fig, y=-(height + _GAP), units="points")
+    reasons = ax.legend(title="switch reason (count)", bbox_transform=below, **kw)
+    return (height + _GAP + _height(reasons)) / 72
+
+
+def _write_switches(ax, rows, transforms) -> None:
+    """Each switched row's history as one label (two switches at one step
+    share it), inside the axes: right of the row's last marker, else left of
+    its first, else right of its first (its markers drawn over it), else at
+    the right edge; the same shortened to the last switch where the whole
+    does not fit; left out where nothing fits (the markers and the legend
+    still show them). Runs once the layout is fixed; the labels take no part
+    in it."""
+    fig = ax.get_figure()
+    box, pad = ax.get_window_extent(), 2 * fig.dpi / 72
+    gap = _GAP * fig.dpi / 72
+    beside = {"left": transforms.offset_copy(ax.transData, fig=fig, x=_GAP, units="points"),
+              "right": transforms.offset_copy(ax.transData, fig=fig, x=-_GAP, units="points")}
+    edge = transforms.offset_copy(transforms.blended_transform_factory(ax.transAxes, ax.transData),
+                                  fig=fig, x=-2, units="points")
+    for i, r in enumerate(rows):
+        history = sorted(r["history"], key=lambda h: h["step"])
+        if not history:
+            continue
+        first, last = (ax.transData.transform((h["step"], 0))[0] for h in (history[0], history[-1]))
+        texts = [", ".join(map(switch_text, history))]
+        if len(history) > 1:
+            texts.append(f"{len(history)} switches, last {switch_text(history[-1])}")
+        for text in texts:
+            label = ax.text(0, i + 0.5, text, fontsize=7, va="center", zorder=4,
+                            gid=f"switches:{r['layer']}",
+                            bbox=dict(boxstyle="round,pad=0.15", fc="white", alpha=0.8, lw=0))
+            label.set_in_layout(False)
+            width = label.get_window_extent().width
+            places = [(last + gap + width <= box.x1 - pad, history[-1]["step"], "left"),
+                      (first - gap - width >= box.x0 + pad, history[0]["step"], "right"),
+                      (first + gap + width <= box.x1 - pad, history[0]["step"], "left")]
+            place = next((p[1:] for p in places if p[0]), None)
+            if place is not None:
+                label.set(x=place[0], transform=beside[place[1]], horizontalalignment=place[1])
+                break
+            if width <= box.width - 2 * pad:
+                label.set(x=1.0, transform=edge, horizontalalignment="right")
+                break
+            label.remove()
 
 
 def _draw_scales(ax, timeline, end: int) -> None:
@@ -132,8 +196,11 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
 
     Top: one row per controlled layer, in forward order, one column per
     stretch of steps, coloured by the layer's dtype (:data:`DTYPE_COLORS`);
-    a marker at each switch, one shape per reason (written beside the marker
-    when there are at most 12 switches). Bottom: the global loss scale, the
+    a marker at each switch, one shape per reason; with at most 12 switches,
+    each layer's switches written out (``old->new@step (reason)``) in one
+    label beside its markers, inside the rows, never over another label; to
+    the right, the legends of the dtypes and the reasons, inside the image
+    whatever the number of layers. Bottom: the global loss scale, the
     per-layer loss scales where the policy uses them, and the steps skipped
     in each decision interval.
 
@@ -150,7 +217,8 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
         dpi: the resolution of the file written, an int in [50, 600].
 
     Returns:
-        The ``matplotlib.figure.Figure`` (a notebook shows it as a PNG).
+        The ``matplotlib.figure.Figure`` (a notebook shows it as a PNG), laid
+        out once, for its size: the labels are placed in that layout.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -161,7 +229,7 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
         raise TypeError(f"`model` must be a Keras model, got {model!r}.")
     if isinstance(dpi, bool) or not isinstance(dpi, int) or not 50 <= dpi <= 600:
         raise ValueError(f"`dpi` must be an int in [50, 600], got {dpi!r}.")
-    Figure, ListedColormap, Patch = _matplotlib()
+    Figure, ListedColormap, Patch, transforms = _matplotlib()
     if path is not None:
         # Before anything is drawn: matplotlib would fail only in savefig.
         formats = sorted(Figure().canvas.get_supported_filetypes(),
@@ -179,6 +247,7 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
     timeline = timeline_lib.of(model)
     rows = list(report.rows)
     switched = [h["step"] for r in rows for h in r["history"]]
+    count = sum(r["switches"] for r in rows)
     end = max([timeline.last_step if timeline else 0, *(s + 1 for s in switched)])
     if end == 0:
         raise ValueError(f"`model` {model.name!r} has not trained under AdaptivePrecision yet: "
@@ -198,21 +267,24 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
     ax.set_yticks(np.arange(n) + 0.5, [_label(r["layer"], model.name) for r in rows],
                   fontsize=8 if n <= 24 else 7 if n <= 60 else 6)
     _draw_switches(ax, rows)
-    present = [d for d in dtypes if any(d in line for line in grid)]
-    dtype_legend = ax.legend(
-        [Patch(color=DTYPE_COLORS[d]) for d in present], present, title="dtype",
-        fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.add_artist(dtype_legend)
-    if switched:
-        ax.legend(title="switch reason (count)", fontsize=8, title_fontsize=8,
-                  loc="upper left", bbox_to_anchor=(1.15, 1.0))
+    column = _draw_legends(ax, Patch, transforms,
+                           [d for d in dtypes if any(d in line for line in grid)])
+    if column + 0.5 > top:  # the legend column stays beside the layer rows
+        top = column + 0.5
+        fig.set_size_inches(11, top + 2.6)
+        ax.get_subplotspec().get_gridspec().set_height_ratios([top, 2.0])
     ax.set_title(title if title is not None else
                  f"{model.name}: {report.policy} ({', '.join(report.candidates)}), "
-                 f"{n} layers, {len(switched)} switch{'es' if len(switched) != 1 else ''}",
+                 f"{n} layers, {count} switch{'es' if count != 1 else ''}",
                  fontsize=10)
     _draw_scales(scale_ax, timeline, end)
     scale_ax.set_xlabel("step (train-function call)")
     scale_ax.set_xlim(0, end)
+    # The layout once, then fixed: the labels are placed in what it gave.
+    fig.draw_without_rendering()
+    fig.set_layout_engine("none")
+    if len(switched) <= _ANNOTATE_AT_MOST:
+        _write_switches(ax, rows, transforms)
     if path is not None:
         with atomic_path(path) as tmp:  # whole or not at all: written beside, renamed
             fig.savefig(tmp, dpi=dpi)

@@ -28,7 +28,7 @@ import keras
 from keras_mp.adaptive.integration import rescue, skipping
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
 
-__all__ = ["COLUMNS", "PrecisionReport", "precision_report"]
+__all__ = ["COLUMNS", "PrecisionReport", "dtype_switches", "precision_report", "switch_text"]
 
 NOT_MEASURED = "n/m"
 
@@ -66,6 +66,27 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
      "float16: the loss scale the layer's gradients carry (the global scale, times the "
      "layer's own factor with per-layer loss scales)"),
 )
+
+
+def switch_text(entry: dict[str, Any]) -> str:
+    """One history entry as the table and the picture write it:
+    ``old->new@step (reason)``."""
+    return f"{entry['old']}->{entry['new']}@{entry['step']} ({entry['reason']})"
+
+
+def dtype_switches(history: list[dict[str, Any]]) -> int:
+    """How many entries of a layer's history changed its dtype, whatever
+    their reason: the controller's decisions, ``with_parent``, the rescues'
+    ``dtype_mismatch``, and a small fit's ``no_gain`` and the ``gain`` that
+    undoes it.
+
+    Example:
+        >>> dtype_switches([
+        ...     {"step": 0, "old": "bfloat16", "new": "float32", "reason": "no_gain"},
+        ...     {"step": 0, "old": "float32", "new": "bfloat16", "reason": "gain"}])
+        2
+    """
+    return sum(1 for entry in history if entry["old"] != entry["new"])
 
 
 def _cell(value: Any) -> str:
@@ -107,8 +128,12 @@ class PrecisionReport:
             sensitive, or None), ``loss_scale`` (float16: the loss scale its
             gradients carried at the last decision, or None), ``state`` (the
             controller's, or None),
-            ``switches`` and ``history`` (switch dicts with ``step``, ``old``,
-            ``new``, ``reason``), ``rules`` (the rules of
+            ``history`` (switch dicts with ``step``, ``old``, ``new``,
+            ``reason``), ``switches`` (how many of them changed the dtype,
+            every reason counted: :func:`dtype_switches`; the count in
+            ``state``, which bounds demotions by ``max_switches``, leaves out
+            a small fit's ``no_gain`` and the ``gain`` that undoes it, which
+            are not evidence of a layer going back and forth), ``rules`` (the rules of
             :mod:`keras_mp.adaptive.integration.rescue` applied to it, such as
             ``"integer_input"``).
         metrics_in_float32: the compiled metrics that get float32 predictions
@@ -153,8 +178,7 @@ class PrecisionReport:
                  "| --- | --- | --- |" + " ---: |" * (len(columns) + 1) + " --- |"]
         for r in self.rows:
             stats, measured = r["stats"] or {}, r["measured"]
-            history = ", ".join([f"{h['old']}->{h['new']}@{h['step']} ({h['reason']})"
-                                 for h in r["history"]]
+            history = ", ".join([switch_text(h) for h in r["history"]]
                                 + [f"{_RULE_LABELS[rule]} ({rule})"
                                    for rule in r.get("rules", ()) if rule in _RULE_LABELS])
             cells = [r["layer"], r["class"], r["dtype"],
@@ -175,7 +199,8 @@ class PrecisionReport:
         """What each column means (``n/m``: not measured in the last interval:
         a layer without weights has no gradients, the probe had not run, ...)."""
         rows = [f"- {title}: {text}" for _, title, _, text in self._columns()]
-        rows += ["- switches: dtype changes so far; history: old->new@call (reason)",
+        rows += ["- switches: dtype changes so far, every reason (the history's entries that "
+                 "changed the dtype); history: old->new@call (reason)",
                  f"- {NOT_MEASURED}: not measured (no weights, no probe yet, or no statistics "
                  "step since the last decision)",
                  "- " + ", ".join(f"{label} ({rule})" for rule, label in _RULE_LABELS.items())
@@ -234,7 +259,7 @@ def precision_report(model: keras.Model) -> PrecisionReport:
             "probe": dict(record["probe"]) if record.get("probe") else None,
             "loss_scale": record.get("loss_scale"),
             "state": dict(state) if state else None,
-            "switches": int(state["switches"]) if state else 0,
+            "switches": dtype_switches(record.get("history", [])),
             "history": [dict(h) for h in record.get("history", [])],
             "rules": list(record.get("rules", [])),
         })
