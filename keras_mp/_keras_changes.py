@@ -1,9 +1,10 @@
 """Every change ``import keras_mp`` makes to Keras, installed from here.
 
 keras-mp changes Keras in two ways. **On import** it replaces a few Keras
-functions for the whole process (:data:`ON_IMPORT`): two fix faults of Keras
-itself (``kind="fault"``) and act only where the installed Keras still has the
-fault; the others let the adaptive policies work where Keras's own code reads a
+functions for the whole process (:data:`ON_IMPORT`): four fix faults of Keras
+itself (``kind="fault"``), each acting only where the installed Keras still has
+the fault (the atomic saves change no file's content, only how it reaches its
+name); the others let the adaptive policies work where Keras's own code reads a
 policy (``kind="feature"``), and hand every call under another policy to Keras
 unchanged. **Per instance**, while a model trains under an adaptive policy, it
 wraps methods of that model, its layers and its optimizer, one object at a time,
@@ -23,7 +24,7 @@ Example:
     >>> import keras_mp
     >>> from keras_mp import _keras_changes
     >>> [change.name for change in _keras_changes.ON_IMPORT if change.kind == "fault"]
-    ['multi_worker_fit', 'quantize_policy_map']
+    ['multi_worker_fit', 'quantize_policy_map', 'atomic_saves', 'atomic_backups']
     >>> _keras_changes.installed() == tuple(c.name for c in _keras_changes.ON_IMPORT)
     True
 """
@@ -103,6 +104,18 @@ ON_IMPORT: tuple[Change, ...] = (
            "is released first",
            "3.15.1", "keras_mp.deploy.quantization",
            _call("keras_mp.deploy.quantization", "patch_quantize")),
+    Change("atomic_saves", "fault",
+           ("keras.src.saving.saving_lib:save_model", "keras.src.saving.saving_lib:save_weights_only",
+            "keras.src.legacy.saving.legacy_h5_format:save_model_to_hdf5"),
+           "model.save, save_weights and ModelCheckpoint open the target with 'wb' and write into "
+           "it (a kill mid-save leaves a torn file); written beside it and renamed into place",
+           "3.15.1", "keras_mp._saves", _call("keras_mp._saves", "install", "saves")),
+    Change("atomic_backups", "fault",
+           tuple(f"keras.src.callbacks.backup_and_restore:BackupAndRestore.{a}"
+                 for a in ("_save_model", "_load_model", "on_train_end")),
+           "BackupAndRestore replaces its weights and then its metadata (a kill inside or between "
+           "them breaks the resume); each backup is a new folder, named by a pointer written last",
+           "3.15.1", "keras_mp._saves", _call("keras_mp._saves", "install", "backups")),
     Change("fit_adapts", "feature", ("keras:Model.fit",),
            "fit adds AdaptivePrecision to a model under an adaptive policy, so that setting the "
            "global policy is enough; a LossScaleOptimizer's max_consecutive_skips stop is "

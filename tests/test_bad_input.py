@@ -463,6 +463,7 @@ CASES = [
     ("adaptive.integration.switching.with_parents", lambda: switching.with_parents("p", [], [], []), TypeError,
      "`policy`"),
     ("adaptive.integration.switching.apply", lambda: switching.apply("p", [], [], [], 0), TypeError, "`policy`"),
+    ("adaptive.integration.switching.adopt", lambda: switching.adopt("p", [], [], []), TypeError, "`policy`"),
     ("adaptive.integration.switching.settle", lambda: switching.settle("p", [], [], 0), TypeError, "`policy`"),
     ("adaptive.integration.switching.release", lambda: switching.release("p", [], [], 0), TypeError,
      "`policy`"),
@@ -508,6 +509,9 @@ CASES = [
     ("adaptive.record.timeline.record", lambda: timeline.record(_model(), -1, None, (), None),
      ValueError, "`step`"),
     ("adaptive.record.timeline.finish", lambda: timeline.finish(_model(), 1.5), ValueError, "`step`"),
+    ("adaptive.record.timeline.restore", lambda: timeline.restore(_model(), {"entries": []}),
+     ValueError, "`config`"),
+    ("adaptive.record.timeline.restore", lambda: timeline.restore("model", {}), TypeError, "`model`"),
     # report
     ("adaptive.outputs.report.precision_report", lambda: report.precision_report("model"), TypeError,
      "`model`"),

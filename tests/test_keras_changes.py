@@ -5,6 +5,7 @@ one, its test here fails: the fix can go)."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ from keras.dtype_policies import DTypePolicyMap
 
 import keras_mp
 from keras_mp import _keras_changes, distribute
+from tests.faults import CutAfterWeights, failing_midway, small_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = str(ROOT / "keras_mp")
@@ -90,3 +92,91 @@ def test_the_quantize_fix_lets_an_adaptive_layer_quantize():
     model.quantize("int8")
     assert model.layers[0].dtype_policy.name == "int8_from_mixed_bfloat16"
     assert model.predict(np.ones((1, 3), "float32"), verbose=0).shape == (1, 4)
+
+
+def _weights_equal(a: keras.Model, b: keras.Model) -> bool:
+    return all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a.weights, b.weights))
+
+
+def test_keras_still_writes_a_save_into_its_target(tmp_path):
+    """Keras's own save functions (what `atomic_saves` wraps): a save failing half-way has
+    already replaced the last good file (a kill there leaves it torn)."""
+    from keras.src.saving import saving_lib
+
+    keras_path = str(tmp_path / "m.keras")
+    weights_path = str(tmp_path / "m.weights.h5")
+    good = small_model()
+    good.save(keras_path)
+    good.save_weights(weights_path)
+    bad = failing_midway(small_model(seed=2))
+    for keras_save, path in ((saving_lib.save_model.__wrapped__, keras_path),
+                             (saving_lib.save_weights_only.__wrapped__, weights_path)):
+        with pytest.raises(OSError, match="No space left"):
+            keras_save(bad, path)
+    gc.collect()  # h5py closes (and flushes) the file Keras left open
+    with pytest.raises(ValueError, match="model.weights.h5"):
+        keras.saving.load_model(keras_path)  # the old model is gone
+    other = small_model(seed=3)
+    other.load_weights(weights_path)
+    assert not _weights_equal(other, good)  # the failed save's weights, not the good ones
+
+    # With the fix: the last good files.
+    good.save(keras_path)
+    good.save_weights(weights_path)
+    for save, path in ((bad.save, keras_path), (bad.save_weights, weights_path)):
+        with pytest.raises(OSError, match="No space left"):
+            save(path)
+    assert _weights_equal(keras.saving.load_model(keras_path), good)
+    other.load_weights(weights_path)
+    assert _weights_equal(other, good)
+
+
+def test_keras_backup_still_replaces_its_weights_then_its_metadata(tmp_path):
+    """Keras's own BackupAndRestore code (what `atomic_backups` wraps): cut between its
+    two files, a restore pairs the new weights with the old epoch (the epoch is trained
+    twice, from weights that already saw it)."""
+    from keras.callbacks import BackupAndRestore
+
+    keras_save = BackupAndRestore._save_model.__wrapped__
+    keras_load = BackupAndRestore._load_model.__wrapped__
+    for who, save, load in (("keras", keras_save, keras_load),
+                            ("keras_mp", BackupAndRestore._save_model,
+                             BackupAndRestore._load_model)):
+        folder = str(tmp_path / who)
+        model = small_model(cls=CutAfterWeights)
+        backup = BackupAndRestore(folder)
+        backup.set_model(model)
+        backup._current_epoch = 1
+        save(backup)
+        at_epoch_1 = [w.numpy().copy() for w in model.weights]
+        model.fit(np.ones((8, 3)), np.ones((8, 1)), verbose=0)  # epoch 2
+        backup._current_epoch, model.cut = 2, True
+        with pytest.raises(OSError, match="killed after the weights"):
+            save(backup)
+
+        fresh = small_model(seed=1, cls=CutAfterWeights)
+        restore = BackupAndRestore(folder)
+        restore.set_model(fresh)
+        load(restore)
+        assert fresh._initial_epoch == 1
+        same = all(np.array_equal(a, w.numpy()) for a, w in zip(at_epoch_1, fresh.weights))
+        assert same == (who == "keras_mp"), who  # Keras: the new weights with the old epoch
+
+
+def test_the_wrapped_save_functions_take_the_arguments_atomic_saves_reads():
+    """`atomic_saves` reads these by name; a Keras release that renames one fails here."""
+    from keras.src.legacy.saving import legacy_h5_format
+    from keras.src.saving import saving_lib
+
+    for function, names in ((saving_lib.save_model, ["model", "filepath", "weights_format",
+                                                     "zipped"]),
+                            (saving_lib.save_weights_only, ["model", "filepath",
+                                                            "max_shard_size", "objects_to_skip"]),
+                            (legacy_h5_format.save_model_to_hdf5,
+                             ["model", "filepath", "overwrite", "include_optimizer"])):
+        assert list(inspect.signature(function.__wrapped__).parameters) == names, function
+    from keras.callbacks import BackupAndRestore
+
+    backup = BackupAndRestore("unused")  # the attributes atomic_backups redirects
+    assert {"_weights_path", "_training_metadata_path", "double_checkpoint",
+            "delete_checkpoint", "backup_dir"} <= set(vars(backup))

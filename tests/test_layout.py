@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1] / "keras_mp"
 #: Floors, lowest first: a module may import its own package and any lower
 #: floor, never a higher one. (``keras_mp`` itself, the public API, is the top.)
 FLOORS: list[set[str]] = [
-    {"_backend", "_checks", "_cloning", "_gradients", "_installed", "_lazy", "_version", "data",
-     "datasets", "distribute"},
+    {"_atomic", "_backend", "_checks", "_cloning", "_gradients", "_installed", "_lazy", "_saves",
+     "_version", "data", "datasets", "distribute"},
     {"device"},
     {"scaling", "fused"},
     {"execution"},

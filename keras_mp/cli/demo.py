@@ -37,6 +37,7 @@ import numpy as np
 
 from keras_mp import _checks as checks
 from keras_mp import callbacks, datasets, device, policies
+from keras_mp._atomic import atomic_path
 from keras_mp.adaptive.outputs.plot import plot_precision
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
@@ -293,7 +294,8 @@ def _plot(path: str, result: DemoResult) -> str:
     dtype_ax.set(xlabel="step", title="adaptive run: dtype per layer "
                                       "(blue float16, red float32)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_path(path) as tmp:  # whole or not at all
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return path
 

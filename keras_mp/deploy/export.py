@@ -54,6 +54,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mp import _checks as checks
+from keras_mp._atomic import atomic_path
 from keras_mp._cloning import clone_with_weights
 from keras_mp.adaptive.evidence import float8
 
@@ -359,11 +360,7 @@ def _export_onnx(model: keras.Model, path: str, compute_dtype: str, output_dtype
             custom_op_handlers={"Erfc": (_erfc_as_one_minus_erf, [])})
     finally:
         logger.setLevel(level)
-    try:
-        _check_onnx(path, signature, modules)
-    except ValueError:
-        os.remove(path)  # no unloadable file left where the caller asked for one
-        raise
+    _check_onnx(path, signature, modules)  # before the file takes the caller's name
 
 
 def _check_onnx(path: str, signature: list[tf.TensorSpec], modules: dict[str, Any]) -> None:
@@ -396,7 +393,10 @@ def export(model: keras.Model, path: str | os.PathLike, format: str = "tf_saved_
         model: a built functional or Sequential Keras model: adaptive, fused
             (:func:`keras_mp.fuse`) or quantized.
         path: the SavedModel folder, the ``.tflite`` file for LiteRT, the
-            ``.onnx`` file for ONNX (see :func:`check_arguments`).
+            ``.onnx`` file for ONNX (see :func:`check_arguments`). Written beside
+            it and moved into place (:func:`keras_mp._atomic.atomic_path`): an
+            earlier export there is replaced whole, or kept whole if the export
+            fails or is killed.
         format: one of :data:`FORMATS`.
         output_dtype: ``"float32"`` (default): outputs cast to float32;
             ``"compute"``: the model's own output dtype (SavedModel), the
@@ -410,7 +410,7 @@ def export(model: keras.Model, path: str | os.PathLike, format: str = "tf_saved_
         ValueError: a bad argument (:func:`check_arguments`, before any
             work: a path that cannot be written is one), LiteRT of a
             Keras-quantized model, or an ONNX conversion that does not run in
-            onnxruntime (the file is removed).
+            onnxruntime (no file is written).
         ImportError: ONNX without the ``onnx`` extra (tf2onnx, onnx, onnxruntime).
     """
     if not isinstance(model, keras.Model):
@@ -420,6 +420,13 @@ def export(model: keras.Model, path: str | os.PathLike, format: str = "tf_saved_
                            compute_dtype=compute_dtype, opset=opset)
     if not model.built:
         raise ValueError("`model` must be built (call it once, or give it an Input).")
+    # Written beside `path` and moved into place: a kill leaves the old export or the new one.
+    with atomic_path(path, directory=format == "tf_saved_model") as tmp:
+        _export(model, tmp, format, output_dtype, weights, compute_dtype, opset)
+
+
+def _export(model: keras.Model, path: str, format: str, output_dtype: str,
+            weights: str | None, compute_dtype: str | None, opset: int | None) -> None:
     if format == "onnx":
         _export_onnx(model, path, compute_dtype or "float32", output_dtype, opset)
         return

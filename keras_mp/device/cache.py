@@ -37,10 +37,10 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from typing import Any
 
+from keras_mp._atomic import atomic_path
 from keras_mp.device import _cpuinfo
 
 __all__ = ["ENV_VAR", "FILE", "directory", "device_key", "get", "put"]
@@ -152,9 +152,8 @@ def put(section: str, key: str, value: Any, device_type: str | None = None) -> N
             os.makedirs(os.path.dirname(path), exist_ok=True)
             data = _read(path)  # what other processes wrote meanwhile stays
             data.setdefault(dev, {}).setdefault(section, {})[key] = value
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:  # other processes read it whole or not at all
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(data, f)
         except (OSError, TypeError, ValueError) as e:
             _log.info("keras_mp: could not write the measurement cache %s (%s).", path, e)

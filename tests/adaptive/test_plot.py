@@ -3,6 +3,7 @@ AdaptivePrecision recorded (a float16 run whose input layer overflows), and
 its layout: labels that never overlap, legends inside the image, for 2, 50
 and 70 layers, with and without switches."""
 
+import os
 import sys
 
 import keras
@@ -215,3 +216,17 @@ def test_labels_and_legends_of_two_layers_after_real_fits():
     assert sorted(legends) == ["", "dtype", "switch reason (count)"]
     switches = len(first["history"]) + len(last["history"])
     assert fig.axes[0].get_title().endswith(f"2 layers, {switches} switches")
+
+
+def test_the_picture_is_replaced_whole_or_not_at_all(trained, tmp_path):
+    """Written beside the file and renamed into place (keras_mp/_atomic.py): no
+    temporary stays, and one a killed process left in the folder goes."""
+    from tests.faults import dead_pid
+
+    model, _ = trained
+    stale = tmp_path / f".precision.png.tmp-{dead_pid()}-0123abcd.png"
+    stale.write_bytes(b"\x89PNG half")
+    (tmp_path / "precision.png").write_bytes(b"an older picture")
+    keras_mp.plot_precision(model, tmp_path / "precision.png")
+    assert os.listdir(tmp_path) == ["precision.png"]
+    assert (tmp_path / "precision.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

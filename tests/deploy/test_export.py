@@ -127,3 +127,34 @@ def test_bad_arguments(tmp_path, kwargs, error, match):
         export(_model(), tmp_path / "x", **kwargs)
     with pytest.raises(TypeError, match="`model`"):
         export("model.keras", tmp_path / "x")
+
+
+def test_an_export_replaces_the_last_whole_or_not_at_all(tmp_path):
+    """Written beside the target and moved into place (keras_mp/_atomic.py): an earlier
+    SavedModel is replaced whole, a failed export leaves the earlier file, and a
+    folder holding other files is refused (it would be replaced with them)."""
+    import tensorflow as tf
+
+    model = _model()
+    served = tmp_path / "served"
+    export(model, served)
+    (served / "stale.txt").write_text("from the earlier export")
+    export(model, served)
+    assert "stale.txt" not in os.listdir(served)
+    assert tf.saved_model.load(str(served)).serve(_X).shape == (len(_X), 3)
+
+    export(model, tmp_path / "m.tflite", "litert")
+    before = (tmp_path / "m.tflite").read_bytes()
+    quantized = _model()
+    quantized.quantize("int8")
+    with pytest.raises(ValueError, match="weights='int8'"):
+        export(quantized, tmp_path / "m.tflite", "litert")
+    assert (tmp_path / "m.tflite").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["m.tflite", "served"]  # no temporaries
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    with pytest.raises(ValueError, match="`path` .*mine.* folder holding other files"):
+        export(model, mine)
+    assert os.listdir(mine) == ["notes.txt"]

@@ -3,45 +3,40 @@
 ``fit`` adds one to a model under an adaptive policy (:mod:`~keras_mp.adaptive.fit.autofit`).
 What the callback does, and when:
 
-* ``set_model`` (Keras calls it when ``fit`` starts, before the train
-  function is built): finds the model's :class:`keras_mp.AdaptivePolicy` and
-  its controlled layers (:func:`keras_mp.policies.adaptive_layers`: every layer, with
-  or without weights), those an earlier fit too small to gain put in float32
-  back in their narrowest dtype
-  (:func:`~keras_mp.adaptive.integration.switching.release`). With float32 the
-  only candidate it does nothing else (no wrapper, hook or statistics). Otherwise
-  it installs the model's :class:`~keras_mp.adaptive.evidence.hooks.Hooks` (forward
-  statistics, the probe), attaches a :class:`~keras_mp.adaptive.evidence.stats.LayerStatistics`,
-  and connects the gradients: when float16 is a candidate (or ``loss_scale`` is given) the
-  optimizer is wrapped in a :class:`keras_mp.LossScaleOptimizer` whose
-  ``statistics_sink`` is the statistics (Keras's own auto-wrap fires only for
-  the policy name ``"mixed_float16"``); bfloat16 needs no loss scale, so there
-  the optimizer stays as compiled and only its ``apply`` is observed.
-* per train-function call, it picks a step: plain, statistics (gradient and
-  forward statistics, one in ``statistics_every``) or probe (statistics plus
-  the float32 probe, one in ``probe_every``). Plain and statistics steps share
-  one trace whose statistics run only when a switch is on
-  (:mod:`~keras_mp.adaptive.evidence.hooks`); the execution trial times its
-  plain steps. The probe is traced on its own and runs on the batch the
-  statistics step then trains on (:mod:`~keras_mp.adaptive.integration.step_functions`);
-* after ``first_decision`` calls (early judgement), then every ``interval``
-  calls: reads the statistics once, asks
-  :func:`~keras_mp.adaptive.decisions.controller.decide`, assigns the new dtypes
-  in the policy and rebuilds the train functions only if a dtype (or a trial)
-  changed. Optimizer variables are untouched (variables stay float32).
-* every epoch end: a callback passed to ``fit`` adds ``precision_switches``
-  and ``precision_narrow_layers`` to the logs (``History``); the one ``fit``
-  adds by itself (``history_logs=False``) leaves ``History`` as Keras's
-  (Keras's ``model_test.py`` compares its keys); with ``log_dir``, writes
-  per-layer scalars for TensorBoard.
+* ``set_model`` (Keras calls it when ``fit`` starts, before the train function is built): finds
+  the model's :class:`keras_mp.AdaptivePolicy` and its controlled layers
+  (:func:`keras_mp.policies.adaptive_layers`: every layer, with or without weights), those an
+  earlier fit too small to gain put in float32 back in their narrowest dtype
+  (:func:`~keras_mp.adaptive.integration.switching.release`). With float32 the only candidate it
+  does nothing else (no wrapper, hook or statistics). Otherwise it installs the model's
+  :class:`~keras_mp.adaptive.evidence.hooks.Hooks` (forward statistics, the probe), attaches a
+  :class:`~keras_mp.adaptive.evidence.stats.LayerStatistics`, and connects the gradients: when
+  float16 is a candidate (or ``loss_scale`` is given) the optimizer is wrapped in a
+  :class:`keras_mp.LossScaleOptimizer` whose ``statistics_sink`` is the statistics (Keras's own
+  auto-wrap fires only for the policy name ``"mixed_float16"``); bfloat16 needs no loss scale,
+  so there the optimizer stays as compiled and only its ``apply`` is observed.
+* per train-function call, it picks a step: plain, statistics (gradient and forward statistics,
+  one in ``statistics_every``) or probe (statistics plus the float32 probe, one in
+  ``probe_every``). Plain and statistics steps share one trace whose statistics run only when a
+  switch is on (:mod:`~keras_mp.adaptive.evidence.hooks`); the execution trial times its plain
+  steps. The probe is traced on its own and runs on the batch the statistics step then trains on
+  (:mod:`~keras_mp.adaptive.integration.step_functions`);
+* after ``first_decision`` calls (early judgement), then every ``interval`` calls: reads the
+  statistics once, asks :func:`~keras_mp.adaptive.decisions.controller.decide`, assigns the new
+  dtypes in the policy and rebuilds the train functions only if a dtype (or a trial) changed.
+  Optimizer variables are untouched (variables stay float32).
+* every epoch end: a callback passed to ``fit`` adds ``precision_switches`` and
+  ``precision_narrow_layers`` to the logs (``History``); the one ``fit`` adds by itself
+  (``history_logs=False``) leaves ``History`` as Keras's (Keras's ``model_test.py`` compares its
+  keys); with ``log_dir``, writes per-layer scalars for TensorBoard.
 
-Persistence: the per-layer dtypes, controller records and step count live in
-the policy (written once per model into a ``.keras`` file, read back whatever the
-loading process's global policy: :mod:`~keras_mp.adaptive.policy.saved_policy`) and in
-variables of a small state object attached to the model (which
-``save_weights``, ``ModelCheckpoint``, ``BackupAndRestore`` and
-``tf.train.Checkpoint(model=...)`` save and load). When ``fit`` starts, those
-variables win if they differ from the policy: they were just restored.
+Persistence: the per-layer dtypes, controller records and step count live in the policy (written
+once per model into a ``.keras`` file, read back whatever the loading process's global policy:
+:mod:`~keras_mp.adaptive.policy.saved_policy`) and in variables of a small state object attached
+to the model (which ``save_weights``, ``ModelCheckpoint``, ``BackupAndRestore`` and
+``tf.train.Checkpoint(model=...)`` save and load). When ``fit`` starts, those variables win if
+they differ from the policy: they were just restored, with the switch histories and timeline
+beside them (a finished run's backup: when ``fit`` ends).
 
 Example:
     >>> import keras, numpy as np, keras_mp
@@ -231,6 +226,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         object.__setattr__(self._stats, "hooks", hooks)
         self._state, created = attached(model, _STATE_ATTR, PrecisionState, self._paths,
                                         lambda: PrecisionState(self._paths))
+        self._state.bind(model, policy)  # its record goes into weights files
         self._calls = policy.calls if created and policy.loaded else self._calls  # steps go on
         if created or not self._state.restored(policy.candidates):
             # Otherwise a checkpoint was just loaded into the variables: keep
@@ -306,21 +302,18 @@ class AdaptivePrecision(keras.callbacks.Callback):
     def _states(self) -> list[controller.LayerState]:
         return switching.layer_states(self._policy, self._paths)
 
-    def _restore_from_variables(self) -> None:
-        """Adopts the state variables if they differ from the policy: a
-        checkpoint (e.g. ``BackupAndRestore``) was loaded into them."""
+    def _restore_from_variables(self) -> list[int] | None:
+        """Adopts the state variables (and the record a weights file brought) if they differ
+        from the policy's: a checkpoint (``BackupAndRestore``) was loaded. Returns the record's
+        decision due soon (``[call, window start]``), if any."""
         states, calls = self._state.read(self._policy.candidates)
         self._calls = self._policy.calls = calls
-        if states == self._states():
-            return
-        changed = False
-        for layer, path, state in zip(self._layers, self._paths, states):
-            changed |= self._policy.dtype_of(path) != state.dtype
-            self._policy.assign(path, state.dtype)
-            switching.refresh(layer)
-            self._policy.record(path)["state"] = state.get_config()
-        if changed:
+        record = self._state.take_record() or {}
+        if record.get("timeline") is not None:
+            timeline.restore(self.model, record["timeline"])
+        if switching.adopt(self._policy, self._paths, self._layers, states, record.get("history")):
             self._rebuild()
+        return record.get("schedule")
 
     def _rebuild(self) -> None:
         self._functions = self._probe_step = None  # rebuilt at the next step
@@ -356,11 +349,14 @@ class AdaptivePrecision(keras.callbacks.Callback):
             return
         if not self._restored:
             # Not in on_train_begin: BackupAndRestore may restore after us there.
-            self._restore_from_variables()
+            schedule = self._restore_from_variables()
             self._restored = True
             self._first = step_functions.first_call(  # from scratch: judge early
                 self.first_decision, self.interval, (self.params or {}).get("steps"), self._calls,
                 self._expected)
+            if schedule and self.first_decision:  # a judgement the restored run had due soon
+                self._first, self._first_start = schedule
+            self._state.set_schedule(self._first, self._first_start)
             if timeline.of(self.model) is None:  # the start, for plot_precision
                 built = getattr(self._optimizer, "built", False)
                 timeline.record(self.model, self._calls, self._optimizer, self._paths,
@@ -392,6 +388,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._inert:
             return
+        if not self._restored:  # no epoch ran: a backup of the finished run was restored
+            self._restore_from_variables()
         # Custom loops and later traces see the statistics on, as after set_model.
         if isinstance(self._optimizer, LossScaleOptimizer):
             self._optimizer.statistics_sink = self._stats.accumulate
@@ -478,6 +476,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             # Steps are being skipped: judge again soon, not an interval later
             # (an overflow hides the next one downstream until it is gone).
             self._first_start, self._first = self._calls, self._calls + max(2, self.first_decision // 4)
+            self._state.set_schedule(self._first, self._first_start)  # a resumed run judges too
         timeline.record(self.model, self._calls, self._optimizer, self._paths,
                         self._scales.layer_loss_scales())
         self._log(interval, made)

@@ -30,7 +30,7 @@ from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
 if TYPE_CHECKING:  # an annotation only: the statistics load when a fit adapts
     from keras_mp.adaptive.evidence.stats import IntervalStats
 
-__all__ = ["refresh", "parents", "with_parents", "apply", "write_records", "layer_states",
+__all__ = ["refresh", "parents", "with_parents", "apply", "adopt", "write_records", "layer_states",
            "trial_dtypes", "settle", "release", "NO_GAIN", "GAIN"]
 
 #: The reasons of :func:`settle` and :func:`release`.
@@ -148,6 +148,28 @@ def apply(policy: AdaptivePolicy, paths: Sequence[str], layers: Sequence[keras.l
         if verbose:
             print(f"keras_mp: {path}: {old} -> {dtype} ({reason}) at call {calls}")
     return made
+
+
+def adopt(policy: AdaptivePolicy, paths: Sequence[str], layers: Sequence[keras.layers.Layer],
+          states: Sequence[controller.LayerState],
+          histories: dict[str, list[dict[str, Any]]] | None = None) -> bool:
+    """Makes restored controller states the policy's (dtypes assigned, layers
+    refreshed) and, where given, restored switch histories (layer path -> its
+    switches). Returns whether a dtype changed (the train step must be traced
+    anew); nothing changes where the states are the policy's already."""
+    _check_policy(policy)
+    for path in paths:
+        if histories is not None and path in histories:
+            policy.record(path)["history"] = [dict(h) for h in histories[path]]
+    if list(states) == layer_states(policy, paths):
+        return False
+    changed = False
+    for layer, path, state in zip(layers, paths, states):
+        changed |= policy.dtype_of(path) != state.dtype
+        policy.assign(path, state.dtype)
+        refresh(layer)
+        policy.record(path)["state"] = state.get_config()
+    return changed
 
 
 def write_records(policy: AdaptivePolicy, paths: Sequence[str],

@@ -34,6 +34,7 @@ import keras
 import numpy as np
 
 from keras_mp import _checks as checks
+from keras_mp._atomic import atomic_path
 from keras_mp.adaptive.record import timeline as timeline_lib
 from keras_mp.adaptive.outputs.report import precision_report, switch_text
 
@@ -210,7 +211,8 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
         path: where to write the picture (PNG, or any format matplotlib
             writes, by the file's extension, which it must have); None writes
             nothing. Checked before anything is drawn: a file (replaced if it
-            exists) in an existing folder that can be written.
+            exists) in an existing folder that can be written. The file is
+            replaced whole or not at all (written beside it, then renamed).
         title: the title; None: the model's name and policy.
         dpi: the resolution of the file written, an int in [50, 600].
 
@@ -284,7 +286,8 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
     if len(switched) <= _ANNOTATE_AT_MOST:
         _write_switches(ax, rows, transforms)
     if path is not None:
-        fig.savefig(path, dpi=dpi)
+        with atomic_path(path) as tmp:  # whole or not at all: written beside, renamed
+            fig.savefig(tmp, dpi=dpi)
     # A figure made without pyplot: IPython shows it through this, with or
     # without matplotlib's inline backend set up.
     fig._repr_png_ = functools.partial(_png, fig, dpi)

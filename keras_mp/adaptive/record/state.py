@@ -4,19 +4,47 @@
 remembers per layer (dtype, healthy intervals, cool-down, switches, strikes,
 trial) and the call counter, as int variables, so that ``save_weights``,
 ``ModelCheckpoint``, ``BackupAndRestore`` and ``tf.train.Checkpoint`` carry
-it. :func:`attached` attaches such objects (and the statistics) to a model
-without changing ``model.layers`` or ``model.weights``.
+it. Beside its variables, in the same weights file, it writes the run's
+record: every layer's switch history, the timeline the picture draws
+(:mod:`keras_mp.adaptive.record.timeline`) and the controller's next early
+decision, as JSON in one byte array
+(``"record"``), so that a run resumed by ``BackupAndRestore`` (a weights-only
+checkpoint) goes on with its whole history; ``tf.train.Checkpoint`` saves
+variables only and does not carry the record. :func:`attached` attaches such
+objects (and the statistics) to a model without changing ``model.layers`` or
+``model.weights``.
+
+Example:
+    >>> import keras, numpy as np
+    >>> from keras_mp.adaptive.record.state import PrecisionState
+    >>> state = PrecisionState(("dense",))
+    >>> store = {}
+    >>> state.save_own_variables(store)  # not bound to a model: variables only
+    >>> sorted(store)
+    ['0', '1']
+    >>> store["record"] = np.frombuffer(b'{"history": {"dense": []}, "timeline": null}', np.uint8)
+    >>> state.load_own_variables(store)
+    >>> state.take_record()
+    {'history': {'dense': []}, 'timeline': None}
 """
 
 from __future__ import annotations
+
+import json
+import weakref
+from typing import Any
 
 import keras
 import numpy as np
 from keras.src.utils.tracking import DotNotTrackScope  # no public name
 
 from keras_mp.adaptive.decisions import controller
+from keras_mp.adaptive.record import timeline as timeline_lib
 
-__all__ = ["STATE_FIELDS", "AttachedState", "PrecisionState"]
+__all__ = ["RECORD_KEY", "STATE_FIELDS", "AttachedState", "PrecisionState"]
+
+#: The key of the run's record (JSON bytes) beside the state's variables in a weights file.
+RECORD_KEY = "record"
 
 #: The :class:`keras_mp.adaptive.decisions.controller.LayerState` fields, in table-row order.
 #: The ``trial`` row also carries ``suspect`` (``trial + 2 * suspect``: a layer
@@ -55,6 +83,53 @@ class PrecisionState(AttachedState):
         self.calls = self.add_weight(shape=(), dtype="int64", name="calls", **kw)
         self.built = True
         self._last: tuple | None = None  # what was last written or read, on the host
+        self._bound: tuple | None = None  # weak references to the model and its policy
+        self._loaded: dict[str, Any] | None = None  # the record a weights file brought
+        self._schedule: list[int] | None = None  # a decision due soon: [call, window start]
+
+    def bind(self, model: keras.Model, policy) -> None:
+        """The model and policy whose record (switch histories, timeline)
+        the weights files get beside the variables."""
+        object.__setattr__(self, "_bound", (weakref.ref(model), weakref.ref(policy)))
+
+    def set_schedule(self, call: int | None, start: int = 0) -> None:
+        """The controller's next early decision (at ``call``, its window from
+        ``start``; None: none), which the record carries: a run resumed before
+        that call decides there too."""
+        object.__setattr__(self, "_schedule", None if call is None else [int(call), int(start)])
+
+    def record(self) -> dict[str, Any] | None:
+        """The run's record as saved: ``history`` (layer path -> its switches),
+        ``timeline`` (:meth:`Timeline.get_config`, or None) and ``schedule``
+        (:meth:`set_schedule`); None unbound."""
+        model, policy = (ref() for ref in self._bound) if self._bound else (None, None)
+        if model is None or policy is None:
+            return None
+        held = timeline_lib.of(model)
+        return {"history": {p: [dict(h) for h in policy.record(p).get("history", [])]
+                            for p in self.paths},
+                "timeline": None if held is None else held.get_config(),
+                "schedule": self._schedule}
+
+    def take_record(self) -> dict[str, Any] | None:
+        """The record the last weights file loaded brought (once; None
+        after, or if the file had none: saved before records were kept)."""
+        loaded = self._loaded
+        object.__setattr__(self, "_loaded", None)
+        return loaded
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        record = self.record()
+        if record is not None:
+            store[RECORD_KEY] = np.frombuffer(json.dumps(record).encode(), np.uint8)
+
+    def load_own_variables(self, store):
+        keys = [k for k in store.keys() if k != RECORD_KEY]
+        super().load_own_variables({k: store[k] for k in keys})
+        if keys and RECORD_KEY in store.keys():
+            loaded = json.loads(np.asarray(store[RECORD_KEY], np.uint8).tobytes())
+            object.__setattr__(self, "_loaded", loaded)
 
     def write(self, states: list[controller.LayerState], candidates: tuple[str, ...],
               calls: int) -> None:

@@ -7,8 +7,12 @@ The dtypes over the steps need no record of their own: every layer's switch
 history (step, old, new, reason) is kept in the policy
 (:func:`keras_mp.precision_report`), which ``.keras`` files carry too. The
 timeline lives beside the model, in what keras-mp installs on it
-(:mod:`keras_mp._installed`): nothing saves it, and a second ``fit`` of the
-same model continues it. One decision adds one entry (a few floats).
+(:mod:`keras_mp._installed`), and a second ``fit`` of the same model continues
+it. Weights files (``save_weights``, ``BackupAndRestore``, ``ModelCheckpoint``)
+carry it beside the controller's state
+(:class:`keras_mp.adaptive.record.state.PrecisionState`), so that a resumed run
+draws its whole picture; :func:`restore` puts it back. One decision adds one
+entry (a few floats).
 
 Example:
     >>> import keras
@@ -18,10 +22,13 @@ Example:
     >>> t = timeline.of(model)
     >>> t.entries[0]["step"], t.entries[0]["loss_scale"], t.last_step
     (0, None, 0)
+    >>> restore(model, {"entries": [], "last_step": 5}); of(model).last_step
+    5
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +37,7 @@ import keras
 
 from keras_mp import _installed
 
-__all__ = ["Timeline", "finish", "of", "record"]
+__all__ = ["Timeline", "finish", "of", "record", "restore"]
 
 _ATTR = "precision_timeline"
 
@@ -49,6 +56,10 @@ class Timeline:
 
     entries: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     last_step: int = 0
+
+    def get_config(self) -> dict[str, Any]:
+        """The timeline as plain values (JSON), for :func:`restore`."""
+        return {"entries": copy.deepcopy(self.entries), "last_step": self.last_step}
 
 
 def of(model: keras.Model) -> Timeline | None:
@@ -102,3 +113,15 @@ def finish(model: keras.Model, step: int) -> None:
     timeline = of(model)
     if timeline is not None:
         timeline.last_step = max(timeline.last_step, int(step))
+
+
+def restore(model: keras.Model, config: dict[str, Any]) -> None:
+    """Makes ``config`` (:meth:`Timeline.get_config`) the model's timeline."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r}.")
+    if not isinstance(config, dict) or not isinstance(config.get("entries"), list) \
+            or isinstance(config.get("last_step"), bool) \
+            or not isinstance(config.get("last_step"), int):
+        raise ValueError(f"`config` must be a Timeline.get_config() dict, got {config!r}.")
+    setattr(_installed.installed(model), _ATTR,
+            Timeline(copy.deepcopy(config["entries"]), config["last_step"]))
