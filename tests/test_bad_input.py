@@ -454,6 +454,10 @@ CASES = [
         ("bfloat16", "float32")).assign("dense", "adaptive.evidence.float8"), ValueError, "`dtype`"),
     ("scaling.kernels.nonfinite_by_sums", lambda: kernels.nonfinite_by_sums(tf.ones([2])),
      TypeError, "`grads`"),
+    ("adaptive.outputs.report.switch_text", lambda: report.switch_text({"step": 1}), TypeError,
+     "`entry`"),
+    ("adaptive.outputs.report.dtype_switches", lambda: report.dtype_switches("history"),
+     TypeError, "`history`"),
     ("adaptive.integration.switching.parents", lambda: switching.parents("dense"), TypeError,
      "`paths`"),
     ("adaptive.decisions.controller.decide", lambda: controller.decide(

@@ -70,8 +70,20 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
 
 def switch_text(entry: dict[str, Any]) -> str:
     """One history entry as the table and the picture write it:
-    ``old->new@step (reason)``."""
+    ``old->new@step (reason)``.
+
+    Example:
+        >>> switch_text({"step": 8, "old": "float16", "new": "float32", "reason": "input_range"})
+        'float16->float32@8 (input_range)'
+    """
+    _check_entry("entry", entry)
     return f"{entry['old']}->{entry['new']}@{entry['step']} ({entry['reason']})"
+
+
+def _check_entry(name: str, entry: Any) -> None:
+    if not isinstance(entry, dict) or not {"step", "old", "new", "reason"} <= set(entry):
+        raise TypeError(f"`{name}` must be a history entry (a dict with step, old, new and "
+                        f"reason), got {entry!r}.")
 
 
 def dtype_switches(history: list[dict[str, Any]]) -> int:
@@ -86,6 +98,10 @@ def dtype_switches(history: list[dict[str, Any]]) -> int:
         ...     {"step": 0, "old": "float32", "new": "bfloat16", "reason": "gain"}])
         2
     """
+    if not isinstance(history, (list, tuple)):
+        raise TypeError(f"`history` must be a list of history entries, got {history!r}.")
+    for entry in history:
+        _check_entry("history", entry)
     return sum(1 for entry in history if entry["old"] != entry["new"])
 
 
