@@ -531,3 +531,24 @@ def test_get_scaled_loss_accepts_a_callable():
 def test_custom_loop_under_mirrored_strategy(two_replica_strategy):
     model, opt = _custom_loop(two_replica_strategy, build_first=True)
     assert int(opt.iterations.numpy()) == 1 and int(opt.skipped_steps.numpy()) == 0
+
+
+def test_the_loss_scale_state_loads_where_the_models_variables_changed():
+    """As Keras does for any optimizer, the inner optimizer's state is skipped
+    with a warning where the file holds another count of it (the model was
+    quantized since, say); the loss-scale state still loads."""
+    a, b = keras.Variable([1.0, 2.0]), keras.Variable([3.0])
+    saved = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(), schedule="dynamic")
+    saved.build([a, b])
+    saved.set_loss_scale(64.0)
+    store = {}
+    saved.save_own_variables(store)
+    fewer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(), schedule="dynamic")
+    fewer.build([a])
+    with pytest.warns(UserWarning, match="Skipping the inner Adam's state"):
+        fewer.load_own_variables(store)
+    assert float(fewer.loss_scale) == 64.0
+    other = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(), schedule=2.0)  # another schedule
+    other.build([a])
+    with pytest.raises(ValueError, match="Cannot load the optimizer state"):
+        other.load_own_variables(store)
