@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-__all__ = ["INSTALLED_ATTR", "Installed", "installed", "install_method", "original", "is_wrapped"]
+__all__ = ["INSTALLED_ATTR", "Installed", "installed", "install_method", "original", "is_wrapped",
+           "keep_with_step", "step_variables"]
 
 #: The one attribute that holds what keras-mp installed on a Keras object.
 INSTALLED_ATTR = "_keras_mp_installed"
@@ -124,3 +125,29 @@ def is_wrapped(obj, name: str) -> bool:
     """Whether :func:`install_method` replaced ``obj.<name>``."""
     held = obj.__dict__.get(INSTALLED_ATTR)
     return held is not None and name in held.originals
+
+
+def keep_with_step(obj, name: str, variables) -> None:
+    """Counts ``variables`` among the state of ``obj``'s train step (``obj``:
+    a model) beyond what Keras lists (its ``variables``, its optimizer's and
+    its metrics'): keras-mp's own, which its step writes (the adaptive
+    statistics, the skip guard's counts), under ``name`` (kept again under
+    the same name: replaced). The execution trial puts all of it back after
+    each call it makes on a copy of the training state
+    (:mod:`keras_mp.execution.step_trial`).
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> counter = keras.Variable(0)
+        >>> keep_with_step(model, "counter", [counter])
+        >>> step_variables(model) == [counter]
+        True
+    """
+    installed(obj).__dict__.setdefault("step_variables", {})[name] = list(variables)
+
+
+def step_variables(obj) -> list:
+    """What :func:`keep_with_step` counted for ``obj``, in order (empty if nothing)."""
+    held = obj.__dict__.get(INSTALLED_ATTR)
+    return [v for kept in getattr(held, "step_variables", {}).values() for v in kept]

@@ -172,7 +172,7 @@ PER_INSTANCE: tuple[Change, ...] = (
            ("keras:Model.make_train_function", "keras:Model.make_test_function",
             "keras:Model.make_predict_function"),
            "the train step runs as a graph, with an XLA-compiled update or wholly under XLA, "
-           "as measured for this model",
+           "as measured for this model; evaluate and predict run as compile set jit_compile",
            "3.15.1", "keras_mp.execution.choice"),
     Change("compiled_update", "instance", ("keras:optimizers.Optimizer._backend_update_step",),
            "the xla_update mode compiles the optimizer's update with XLA",

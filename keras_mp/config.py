@@ -128,7 +128,7 @@ def uses_xla(kind: str) -> bool:
 def set_execution(model: Any, mode: str | None = None) -> str:
     """Sets how ``model``'s train step runs: ``"graph"``, ``"xla_update"``
     (the graph, with the optimizer's update compiled by XLA), ``"xla"`` (the
-    whole step compiled), ``"auto"`` (measured on the model's first calls),
+    whole step compiled), ``"auto"`` (measured on the model's first call),
     or ``"keep"`` (as ``model.compile`` set it). None reads
     ``KERAS_MP_EXECUTION`` (default ``"auto"``). Returns the mode applied
     (``"trial"`` while ``auto`` measures). ``AdaptivePrecision`` calls it

@@ -64,10 +64,11 @@ MEASURING_PACKAGE = "tests.execution."
 def pytest_collection_finish(session):
     """The subprocess pipelines that selected tests wait for start now, in
     the background (tests/background.py): the lifecycle of every execution
-    mode first (its tests come first), then the real models."""
+    mode first (its tests come first), then the real models, then the seeded
+    runs."""
     import sys
 
-    for name in ("tests.test_lifecycle_modes", "tests.test_real_models"):
+    for name in ("tests.test_lifecycle_modes", "tests.test_real_models", "tests.test_seeded_runs"):
         module = sys.modules.get(name)
         if module is not None:
             module.start(session.items)

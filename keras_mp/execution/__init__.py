@@ -21,13 +21,20 @@ That micro-benchmark is what ``keras-mp info`` shows and what
 probe step says little about a model whose time goes to convolutions or
 large matmuls (on an AMX-BF16 Xeon the bfloat16 probe step measured 0.8-1.1x
 under XLA from run to run, a bfloat16 CNN 0.3x). So with ``mode="auto"``
-:func:`configure` times **the model's own train step** on its first calls,
-on the batches it trains on, in each mode the model can use
+:func:`configure` times **the model's own train step** on its first call,
+on the batch it trains on, in each mode the model can use
 (:func:`candidate_modes`): ``"graph"``, ``"xla_update"`` (the graph with
 only the optimizer's update compiled by XLA, :mod:`keras_mp.execution.fused_update`)
 and ``"xla"`` (the whole step compiled), and keeps another mode than the
 graph only where it is at least :data:`MARGIN` faster by process CPU time
-and by wall time (:mod:`keras_mp.execution.step_trial`). XLA is not tried at all
+and by wall time (:mod:`keras_mp.execution.step_trial`). The modes round
+differently, so the trial runs on a copy of the training state, before the
+first step trains, and its decision is kept on disk: every step trains in
+the mode decided, and a seeded run trains the same weights whether it
+measured or read the decision back (docs/architecture.md, "Decisions made
+from timings"). ``evaluate`` and ``predict`` run as ``compile`` set
+``jit_compile`` (:mod:`keras_mp.execution.inference`), so a saved and
+loaded model predicts what the trained one did. XLA is not tried at all
 where the model cannot use it: a layer without ``supports_jit``, a
 distribution strategy, an optimizer that needs graph-only ops
 (``max_consecutive_skips`` names variables with string ops, which XLA
@@ -72,7 +79,8 @@ Example:
 One module per part: :mod:`~keras_mp.execution.choice` (:func:`configure`,
 :func:`chosen`, :func:`measuring`, :func:`candidate_modes`, :func:`trace_scope`), :mod:`~keras_mp.execution.reasons`
 (why a mode cannot run or cannot win for a model), :mod:`~keras_mp.execution.step_trial`
-(the measurement on the model's first calls), :mod:`~keras_mp.execution.fused_update`
+(the measurement on the model's first call), :mod:`~keras_mp.execution.inference`
+(how ``evaluate`` and ``predict`` run), :mod:`~keras_mp.execution.fused_update`
 (the ``xla_update`` mode), :mod:`~keras_mp.execution.native_update` (Adam, AdamW
 and SGD updates as TensorFlow's fused kernels, in every mode), :mod:`~keras_mp.execution.micro_benchmark` (the device-wide
 micro-benchmark) :mod:`~keras_mp.execution.placement` (the fused layers'
@@ -81,8 +89,8 @@ length, the model's signature; what start-up measures is kept on disk by
 :mod:`keras_mp.device.cache`).
 """
 
-from keras_mp.execution import (choice, fused_update, micro_benchmark, native_update, placement,
-                                reasons, start_up, step_trial)
+from keras_mp.execution import (choice, fused_update, inference, micro_benchmark, native_update,
+                                placement, reasons, start_up, step_trial)
 from keras_mp.execution.choice import (ENV_VAR, MAPS_BUDGET, MODES, candidate_modes, chosen,
                                        configure, measuring, trace_scope)
 from keras_mp.execution.placement import epilogue
@@ -90,5 +98,5 @@ from keras_mp.execution.micro_benchmark import MARGIN, ExecutionProfile, choose,
 
 __all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose",
            "configure", "chosen", "measuring", "candidate_modes", "trace_scope", "epilogue", "choice",
-           "fused_update",
+           "fused_update", "inference",
            "micro_benchmark", "native_update", "placement", "reasons", "start_up", "step_trial"]

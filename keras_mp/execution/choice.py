@@ -1,5 +1,5 @@
 """How a model's train step runs: ``graph``, ``xla_update`` or ``xla``, chosen
-on the model's own first calls (see :mod:`keras_mp.execution`).
+on the model's own first call (see :mod:`keras_mp.execution`).
 
 Example:
     >>> import keras
@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +24,8 @@ import tensorflow as tf
 
 from keras_mp import _installed
 from keras_mp.device import memory, xla
-from keras_mp.execution import (fused_update, native_update, optimizer_state, placement, reasons,
-                                start_up, step_trial)
+from keras_mp.execution import (fused_update, inference, native_update, optimizer_state,
+                                placement, reasons, start_up, step_trial)
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
 from keras_mp.fused import shared_matches
@@ -67,7 +66,9 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     then ``"xla_update"`` and ``"xla"`` where the model can use them
     (``"xla_update"`` only where the optimizer has no native update kernel,
     :mod:`keras_mp.execution.native_update`, and where its compiled code fits in
-    :data:`keras_mp.execution.step_trial.MEMORY_BUDGET` of the process;
+    :data:`keras_mp.execution.step_trial.MEMORY_BUDGET` of the process, as
+    first found for the model's signature on this device,
+    :func:`keras_mp.execution.start_up.kept_reason`;
     ``"xla"`` only where XLA's matmuls in the model's narrowest compute
     dtype reach :data:`XLA_MATMUL_FLOOR` of the graph's here, and on a CPU
     only for a model without convolutions).
@@ -91,7 +92,8 @@ def candidate_modes(model: keras.Model) -> tuple[str, ...]:
     if reasons.little_to_compile(model) is not None:
         return tuple(modes)  # asks nothing that would start XLA's runtime
     if reasons.update_only(model) is None and "xla_update" not in failed \
-            and reasons.update_native(model) is None and reasons.update_memory(model) is None:
+            and reasons.update_native(model) is None \
+            and start_up.kept_reason(model, "update_memory", reasons.update_memory) is None:
         modes.append("xla_update")
     # The convolution rule first: it needs no measurement (the matmul one
     # compiles and times XLA matmuls in every candidate dtype).
@@ -121,7 +123,8 @@ def _decide(model: keras.Model, state: _State) -> str:
             reason = reasons.little_to_compile(model)
             if reason is None:
                 reason = (reasons.graph_only(model) or reasons.update_only(model)
-                          or reasons.update_native(model) or reasons.update_memory(model)
+                          or reasons.update_native(model)
+                          or start_up.kept_reason(model, "update_memory", reasons.update_memory)
                           or "XLA could not compile it")
                 if reasons.graph_only(model) is None:
                     # The convolution rule first: it measures nothing.
@@ -146,7 +149,6 @@ def _fall_back(model: keras.Model, state: _State, mode: str) -> Callable[[], Cal
         state.chosen = "graph"
         model.jit_compile = False
         state.original(force=True)
-        model.test_function = model.predict_function = None
         return model.train_function
 
     return graph
@@ -201,22 +203,12 @@ def _build(model: keras.Model, state: _State, mode: str,
         fused_update.install(model.optimizer)
         fn = _with_update(fn, switch)
     if mode == "graph" and reasons.little_to_compile(model) is not None:
-        return _without_xla(fn)  # mode="xla_update"/"xla" asked for keeps its XLA
+        return inference.without_xla(fn)  # mode="xla_update"/"xla" asked for keeps its XLA
     if not xla.uses_xla("elementwise"):
         return fn
     losses = fused_losses.fusable_losses(model)
     metrics = fused_metrics.fusable_metrics(model)
     return _with_fused(fn, losses, metrics) if losses or metrics else fn
-
-
-def _without_xla(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, called (and so traced) inside :func:`keras_mp.device.xla.disabled`."""
-
-    def step_function(*args, **kwargs):
-        with xla.disabled():
-            return fn(*args, **kwargs)
-
-    return step_function
 
 
 def trace_scope(model: keras.Model) -> contextlib.AbstractContextManager:
@@ -243,12 +235,8 @@ def trace_scope(model: keras.Model) -> contextlib.AbstractContextManager:
 
 
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
-    """A train function measuring the model's candidate modes on its first calls."""
+    """A train function measuring the model's candidate modes on its first call."""
     record = state.trials.setdefault(frozenset(_compute_dtypes(model)), step_trial.Record())
-    if record.decision is None:
-        # New train functions (rebuilt, or the callback's variants): the
-        # measurement restarts with them, so it never waits on a dropped one.
-        record.owner, record.calls, record.samples = None, 0, {}
     modes = candidate_modes(model)
     candidates: dict[str, Callable[..., Any]] = {}
     if "xla" in modes:  # first: jit_compile ends False
@@ -272,16 +260,17 @@ def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
 
     def decided(mode: str) -> None:
         state.chosen = mode
-        if model.jit_compile != (mode == "xla"):
-            model.jit_compile = mode == "xla"
-            model.test_function = model.predict_function = None
+        model.jit_compile = mode == "xla"  # the train step's: evaluate's is inference.jit's
 
     costs = {}
     if "xla" in candidates:
         costs["xla"] = lambda rec: None if rec.step_bytes is None else (
             rec.step_bytes, "a copy of the step's tensors, held by the step under XLA")
     return step_trial.StepTrial(record, candidates, MARGIN, decided, memory_cost=costs,
-                                cache_key=f"{start_up.signature(model)}/{','.join(modes)}")
+                                cache_key=f"{start_up.signature(model)}/{','.join(modes)}",
+                                state=lambda: step_trial.training_state(model),
+                                steps_per_call=int(model.steps_per_execution or 1),
+                                build=lambda batch: optimizer_state.build_metrics(model, batch))
 
 
 def _guarded(model: keras.Model, state: _State, mode: str, fn: Callable[..., Any],
@@ -304,29 +293,7 @@ def _install(model: keras.Model, state: _State) -> None:
     for attr in ("test_function", "predict_function"):
         _installed.install_method(
             model, f"make_{attr}",
-            lambda original, attr=attr: _make_scoped_function(model, attr, original))
-
-
-def _make_scoped_function(model: keras.Model, attr: str,
-                          original: Callable[..., Any]) -> Callable[..., Any]:
-    """The model's ``make_test_function`` or ``make_predict_function``
-    (``attr``: the attribute it sets): Keras's, its function traced inside
-    :func:`trace_scope` where that disables XLA."""
-
-    seen: list[Callable[[], Any]] = [lambda: None]  # a weak reference: Keras may drop it
-
-    def make_function(force: bool = False):
-        original(force=force)  # Keras's returns nothing: it sets model.<attr>
-        fn = getattr(model, attr)
-        if fn is None or fn is seen[0]():  # evaluate() and predict() ask on every call
-            return fn
-        if not model.jit_compile and reasons.little_to_compile(model) is not None:
-            fn = _without_xla(fn)
-            setattr(model, attr, fn)
-        seen[0] = weakref.ref(fn)
-        return fn
-
-    return make_function
+            lambda original, attr=attr: inference.make_function(model, attr, original))
 
 
 def _make_train_function(model: keras.Model, state: _State,
@@ -372,13 +339,16 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     :class:`~keras_mp.callbacks.AdaptivePrecision` callback calls it for
     you. The choice is taken again whenever the train step is rebuilt (e.g.
     when adaptive precision changes a layer's compute dtypes: a new set of
-    dtypes is measured anew). XLA also applies to ``evaluate`` and
-    ``predict``, as with ``compile(jit_compile=True)``.
+    dtypes is measured anew). The mode is the train step's: ``evaluate``
+    and ``predict`` run as ``compile`` set ``jit_compile``
+    (:func:`keras_mp.execution.inference.jit`), so that a saved and loaded
+    model predicts what the trained one did.
 
     Args:
         model: a compiled Keras model.
         mode: ``"auto"`` (measure the model's own step on its first
-            train-function calls, :mod:`keras_mp.execution.step_trial`), ``"xla"``,
+            train-function call, on a copy of the training state,
+            :mod:`keras_mp.execution.step_trial`), ``"xla"``,
             ``"xla_update"``, ``"graph"`` or ``"keep"`` (leave ``model.jit_compile`` as compiled). When
             None: the mode an earlier ``configure(model, mode=...)`` gave
             this model (so the callback keeps a mode you chose), else the
@@ -389,7 +359,7 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     Returns:
         ``"xla"``, ``"xla_update"`` or ``"graph"``: the mode chosen now; ``"trial"`` when
         ``"auto"`` has not measured this model (and its compute dtypes) yet:
-        the next train-function calls measure it (:func:`chosen` tells the
+        the next train-function call measures it (:func:`chosen` tells the
         outcome).
 
     Raises:
@@ -436,7 +406,9 @@ def configure(model: keras.Model, mode: str | None = None) -> str:
     if unsettled and reasons.short_fit(model) is None:
         chosen = "trial"  # measured when the train function is built
     else:
-        if not unsettled:
+        if not unsettled and (mode != "auto" or reasons.short_fit(model) is None):
+            # (A short fit measures nothing, whether or not this machine
+            # kept measurements: then no model's placement depends on them.)
             placement.apply(model)
         chosen = _decide(model, state)
     state.chosen = chosen

@@ -176,7 +176,7 @@ def profile(device_type: str | None = None, *, refresh: bool = False, batch: int
             ``2 * width`` square.
         rounds: interleaved timing rounds (>= 1); medians are kept.
         steps: also time the probe train step (``step``); False: matmuls
-            only (``step`` is empty unless a full profile is cached).
+            only (``step`` is empty unless only a full profile is kept).
 
     Returns:
         An :class:`ExecutionProfile`.
@@ -191,10 +191,10 @@ def profile(device_type: str | None = None, *, refresh: bool = False, batch: int
     if not refresh and defaults:
         _from_disk(device_type, steps)
     with _lock:
-        if not refresh and device_type in _cache:
-            return _cache[device_type]
         if not refresh and not steps and (device_type, "matmul") in _cache:
             return _cache[(device_type, "matmul")]
+        if not refresh and device_type in _cache:
+            return _cache[device_type]
     # The dtypes "adaptive" computes in here (a "fast" float16 matmul can still
     # sit in a step of emulated float16 elementwise ops, seconds per step).
     dtypes = tuple(dict.fromkeys(("float32", *device.default_candidates(device_type))))
@@ -214,11 +214,16 @@ def _disk_key(steps: bool) -> str:
 
 def _from_disk(device_type: str, steps: bool) -> None:
     """Loads the profile kept on disk (:mod:`keras_mp.device.cache`) into
-    this process's, where it has none."""
-    with _lock:
-        if device_type in _cache or (not steps and (device_type, "matmul") in _cache):
-            return
-    for full in ((True,) if steps else (True, False)):
+    this process's, where it has none: the full one; for ``steps=False``
+    the matmuls-only one first, then the full one. (Always in that order,
+    whichever this process measured or the cache holds besides: the
+    decisions made from the matmuls, :mod:`keras_mp.execution.placement`
+    and :func:`keras_mp.execution.reasons.slow_matmul`, then read the same
+    figures in every process, a ``keras-mp info`` run in between or not.)"""
+    for full in ((True,) if steps else (False, True)):
+        with _lock:
+            if (device_type if full else (device_type, "matmul")) in _cache:
+                return
         found = disk.get("execution_profile", _disk_key(full), device_type)
         if isinstance(found, dict):
             try:
@@ -244,8 +249,8 @@ def _to_disk(result: ExecutionProfile) -> None:
 
 def cached(device_type: str | None = None, *, steps: bool = True) -> ExecutionProfile | None:
     """The profile :func:`profile` would return without measuring (the full
-    one, or with ``steps=False`` the matmuls-only one where no full one is
-    kept), or None where it would measure.
+    one, or with ``steps=False`` the matmuls-only one, else the full one),
+    or None where it would measure.
 
     Example:
         >>> from keras_mp.execution import micro_benchmark
@@ -257,9 +262,9 @@ def cached(device_type: str | None = None, *, steps: bool = True) -> ExecutionPr
         raise TypeError(f"`steps` must be a bool, got {steps!r}.")
     _from_disk(device_type, steps)
     with _lock:
-        if device_type in _cache:
-            return _cache[device_type]
-        return None if steps else _cache.get((device_type, "matmul"))
+        if not steps and (device_type, "matmul") in _cache:
+            return _cache[(device_type, "matmul")]
+        return _cache.get(device_type)
 
 
 def remember(result: ExecutionProfile) -> None:

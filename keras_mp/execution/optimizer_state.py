@@ -32,7 +32,7 @@ from typing import Any
 
 import keras
 
-__all__ = ["build", "inner"]
+__all__ = ["build", "build_metrics", "inner"]
 
 
 def inner(optimizer: Any) -> keras.optimizers.Optimizer:
@@ -81,4 +81,40 @@ def build(model: keras.Model) -> bool:
     with model.distribute_strategy.scope(), keras.name_scope(optimizer.name, caller=optimizer):
         optimizer.build(model.trainable_variables)
     optimizer.built = True
+    return True
+
+
+def build_metrics(model: keras.Model, batch: Any) -> bool:
+    """Builds ``model``'s compiled metrics and losses (and any layer not
+    built yet) from ``batch`` (one batch as ``fit`` gives it: ``(x, y)`` or
+    ``(x, y, sample_weight)``), where they are not built yet, as Keras does
+    before the first trace under a distribution strategy
+    (``Trainer._symbolic_build``, symbolically: nothing is computed).
+    Without a strategy Keras creates their variables in the train step's
+    first trace; the execution trial
+    (:mod:`keras_mp.execution.step_trial`), which copies the training state
+    before that trace, needs them to exist first.
+
+    Returns:
+        True if something was built now.
+
+    Raises:
+        TypeError: ``model`` is not a Keras model.
+
+    Example:
+        >>> import keras, numpy as np
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        >>> build_metrics(model, (np.ones((8, 4), "float32"), np.ones((8, 2), "float32")))
+        True
+        >>> [v.path for v in model.metrics_variables if "absolute" in v.path]
+        ['mean_absolute_error/total', 'mean_absolute_error/count']
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    unbuilt = [getattr(model, attr, None) for attr in ("_compile_metrics", "_compile_loss")]
+    if all(part is None or part.built for part in unbuilt) \
+            and all(layer.built for layer in model._flatten_layers()):
+        return False
+    model._symbolic_build(data_batch=batch)
     return True

@@ -23,7 +23,7 @@ from keras_mp import _installed
 from keras_mp.device import memory, xla
 from keras_mp.execution import (fused_update, micro_benchmark, native_update, optimizer_state,
                                 step_trial)
-from keras_mp.execution.placement import (MIN_SHARE, fused_dense_activations, measured,
+from keras_mp.execution.placement import (MIN_SHARE, fused_dense_activations,
                                          narrowest, weight_share)
 from keras_mp.fused import layers as fused_layers
 
@@ -199,9 +199,7 @@ def small_xla_work(model: keras.Model) -> str | None:
 def short_fit(model: keras.Model) -> str | None:
     """Why measuring for this model cannot pay off in the coming fit (None
     where it may): a small ``Dense`` model (:func:`small_xla_work` says
-    ``"dense"``), whose measurements this machine has not kept
-    (:func:`keras_mp.execution.placement.measured`: in this process or in
-    :mod:`keras_mp.device.cache`), and a fit of fewer than :data:`SHORT_FIT`
+    ``"dense"``) and a fit of fewer than :data:`SHORT_FIT`
     train-function calls (:func:`keras_mp.execution.start_up.expect`;
     :class:`keras_mp.callbacks.AdaptivePrecision` tells it from ``fit``'s
     epochs and steps). Measuring takes a child process (about 5 s of CPU on a
@@ -210,7 +208,9 @@ def short_fit(model: keras.Model) -> str | None:
     keras-io "customizing fit" model (``Dense(1)``, 96 steps) fitted in 1.4 s
     under Keras. Such a fit runs as Keras runs it on a CPU: a TensorFlow
     graph without XLA (:func:`little_to_compile`); a longer fit measures,
-    once per machine.
+    once per machine. A fixed rule: whether this machine kept measurements
+    (:mod:`keras_mp.device.cache`) does not change it, so that a seeded
+    short fit trains the same weights with an empty cache and a full one.
 
     Example:
         >>> import keras
@@ -224,11 +224,11 @@ def short_fit(model: keras.Model) -> str | None:
     calls = getattr(model.__dict__.get(_installed.INSTALLED_ATTR), EXPECTED_ATTR, None)
     if calls is None or calls >= SHORT_FIT or xla.forced("elementwise"):
         return None
-    if small_xla_work(model) != "dense" or measured(model):
+    if small_xla_work(model) != "dense":
         return None
-    return (f"this fit makes {calls} train steps, fewer than {SHORT_FIT}: too few to pay for "
-            "measuring graph against XLA on this machine (nothing is kept yet), so the step "
-            "runs as Keras runs it on a CPU, a TensorFlow graph without XLA")
+    return (f"this fit makes {calls} train steps, fewer than {SHORT_FIT}: too few for XLA "
+            "to pay for itself (its compilation, the measurements), so the step runs as "
+            "Keras runs it on a CPU, a TensorFlow graph without XLA")
 
 
 def little_to_compile(model: keras.Model) -> str | None:

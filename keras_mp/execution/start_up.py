@@ -2,7 +2,8 @@
 coming ``fit``'s length (:func:`expect`, from Keras's callback parameters,
 :func:`expected_calls`) and what identifies its train step across processes
 (:func:`signature`, the key of the execution trial's decision kept by
-:mod:`keras_mp.device.cache`).
+:mod:`keras_mp.device.cache`, and of the rules read from the process's
+memory, :func:`kept_reason`).
 
 Example:
     >>> import keras
@@ -20,9 +21,10 @@ import math
 import keras
 
 from keras_mp import _installed
+from keras_mp.device import cache as disk
 from keras_mp.execution import placement, reasons
 
-__all__ = ["expect", "expected_calls", "signature", "unsettled", "settle"]
+__all__ = ["expect", "expected_calls", "signature", "unsettled", "settle", "kept_reason"]
 
 
 def expect(model: keras.Model, calls: int | None) -> None:
@@ -105,3 +107,36 @@ def settle(model: keras.Model) -> None:
         return
     placement.measure_elsewhere(model)
     placement.apply(model)
+
+
+def kept_reason(model: keras.Model, name: str, rule) -> str | None:
+    """``rule(model)`` (a :mod:`keras_mp.execution.reasons` rule, named
+    ``name``), taken once per device and model :func:`signature` and kept
+    on disk (:mod:`keras_mp.device.cache`): for a rule that reads what the
+    process holds (its resident memory, which differs from one process to
+    the next, e.g. with and without start-up's measurements), so that a
+    later process training the same model gets the same answer, and the
+    same train step (docs/architecture.md, "Decisions made from timings").
+    With the cache off, the rule is asked each time.
+
+    Example:
+        >>> import keras
+        >>> from keras_mp.execution import reasons
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile(optimizer="rmsprop", loss="mse")
+        >>> kept_reason(model, "update_memory", reasons.update_memory) is None
+        True
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if not isinstance(name, str) or not name or not callable(rule):
+        raise ValueError(f"`name` must be a non-empty str and `rule` callable, got {name!r} "
+                         f"and {rule!r}.")
+    key = f"{name}/{signature(model)}"
+    found = disk.get("reasons", key)
+    if isinstance(found, dict) and (found.get("reason") is None
+                                    or isinstance(found.get("reason"), str)):
+        return found.get("reason")
+    reason = rule(model)
+    disk.put("reasons", key, {"reason": reason})
+    return reason

@@ -1,4 +1,5 @@
-"""The model's own train step, timed in each execution mode it can use.
+"""The model's own train step, timed in each execution mode it can use, on
+a copy of its training state.
 
 A micro-benchmark cannot tell whether XLA speeds a given model up: on a Xeon
 with AMX-BF16, XLA made an elementwise-heavy bfloat16 probe step 0.8-1.1x
@@ -6,32 +7,42 @@ the graph's speed (it varied from run to run), while it made a small
 bfloat16 CNN 3x slower (XLA:CPU runs convolutions and matmuls without AMX,
 oneDNN in the TensorFlow graph uses it). So ``mode="auto"`` in
 :func:`keras_mp.execution.configure` measures the model itself, on the
-batches it trains on (nothing is computed twice, no batch is skipped). The
-modes: ``"graph"`` (a TensorFlow graph, Keras's default), ``"xla_update"``
-(the same graph with only the optimizer's update compiled by XLA,
-:mod:`keras_mp.execution.fused_update`) and ``"xla"`` (the whole step compiled):
+batch it trains on. The modes: ``"graph"`` (a TensorFlow graph, Keras's
+default), ``"xla_update"`` (the same graph with only the optimizer's update
+compiled by XLA, :mod:`keras_mp.execution.fused_update`) and ``"xla"`` (the
+whole step compiled). They round differently (XLA keeps float32 between
+fused operations), so the mode is one of keras_mp's decisions made from
+timings, which all follow one rule (docs/architecture.md, "Decisions
+made from timings"): the training steps are the same whatever was measured.
 
-* the first calls of the train function go round the modes: one call each
-  (tracing and compilation), one more each (warm-up, untimed), then
-  :data:`PAIRS` timed rounds;
+* the trial runs when the model's train function is first called with a set
+  of compute dtypes, before that call trains: each mode runs on the call's
+  batch, one call each (tracing and compilation), one more each (warm-up,
+  untimed), then :data:`PAIRS` timed rounds, and after each of these calls
+  the training state is put back as it was (:func:`training_state`); then
+  the call trains, in the chosen mode, on the same batch;
 * a mode other than the graph is kept when its median call is at least
   :data:`keras_mp.execution.MARGIN` times faster than the graph's by process
   CPU time **and** by wall time (the fastest such mode, by the smaller of
   its two speed-ups); otherwise the graph is kept;
 * the decision holds for the model and its set of compute dtypes (a new
-  set, after adaptive precision changes a layer's dtype, is measured anew);
-  it is logged once (logger ``keras_mp``, INFO) with the figures;
+  set, after adaptive precision changes a layer's dtype, is measured anew,
+  in the same way); it is logged once (logger ``keras_mp``, INFO) with the
+  figures;
 * the decision is kept on disk (:mod:`keras_mp.device.cache`), keyed by the
-  device, the model's step (:func:`keras_mp.execution.start_up.signature`) and
-  the shapes of its batches: a later process training the same model on
-  batches of the same shapes takes it on its first call and measures
-  nothing (on the keras-io "customizing fit" model the trial took 3-8 s of
-  a fit Keras ran in 1.4 s).
+  device, the model's step (:func:`keras_mp.execution.start_up.signature`,
+  the modes tried) and the shapes of its batches: a later process training
+  the same model on batches of the same shapes takes it on its first call
+  and measures nothing (on the keras-io "customizing fit" model the trial
+  took 3-8 s of a fit Keras ran in 1.4 s). Every step trains in the mode
+  decided, from the first: a seeded run with the decision measured (an
+  empty cache) and one with it read back train the same weights, bit for
+  bit (``tests/test_seeded_runs.py``).
 
-The cost: one XLA compilation of each mode and ``2 + PAIRS`` calls of each
-slower mode (:func:`calls_to_decide`). If a mode cannot compile, the same
-batch is rerun as a graph, one warning says so, and the trial goes on
-without that mode.
+The cost: one XLA compilation of each mode, ``2 + PAIRS`` calls of each
+mode (:func:`calls_to_decide`), none of which trains, and, while it runs, a
+copy of the training state in host memory. If a mode cannot compile, one
+warning says so, and the trial goes on without that mode.
 
 Memory: the graph and ``"xla_update"`` run one trace, which holds the update
 both ways under a ``tf.cond`` (:func:`keras_mp.execution.fused_update.switched`),
@@ -65,24 +76,24 @@ traced).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import logging
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
+from keras_mp import _installed
 from keras_mp.device import cache as disk
 from keras_mp.device import memory
 
 __all__ = ["PAIRS", "MEMORY_BUDGET", "Record", "StepTrial", "FirstCallGuard",
-           "calls_to_decide", "untimed"]
+           "calls_to_decide", "training_state"]
 
 #: Timed rounds (one call of each mode) before the decision.
 PAIRS = 4
@@ -95,7 +106,8 @@ _NAMES = {"graph": "as a TensorFlow graph", "xla": "under XLA",
 
 
 def calls_to_decide(modes: int) -> int:
-    """Train-function calls a trial of ``modes`` modes takes before deciding.
+    """Calls of the train functions a trial of ``modes`` modes makes on a
+    copy of the training state before deciding (none of them trains).
 
     >>> calls_to_decide(3)
     18
@@ -105,26 +117,6 @@ def calls_to_decide(modes: int) -> int:
     return modes * (_WARMUP + PAIRS)
 
 _log = logging.getLogger("keras_mp")
-_untimed = threading.local()
-
-
-@contextlib.contextmanager
-def untimed() -> Iterator[None]:
-    """Train-function calls made inside this block (this thread) are not
-    timed: until the decision, a :class:`StepTrial` runs them as a graph and
-    does not count them (adaptive precision's statistics steps, which share
-    the plain steps' trace, run there).
-
-    Example:
-        >>> with untimed():
-        ...     pass
-    """
-    previous = getattr(_untimed, "on", False)
-    _untimed.on = True
-    try:
-        yield
-    finally:
-        _untimed.on = previous
 
 
 @dataclasses.dataclass
@@ -132,11 +124,6 @@ class Record:
     """What was measured for one model and set of compute dtypes.
 
     Attributes:
-        owner: id of the :class:`StepTrial` that runs the measurement (the
-            first one called); other train functions of the model (the
-            adaptive-precision statistics and probe variants) run as a graph
-            until the decision.
-        calls: calls of the owner so far.
         samples: mode -> ``[(cpu_s, wall_s), ...]``, e.g.
             ``{"graph": [...], "xla_update": [...], "xla": [...]}``.
         decision: the chosen mode (``"graph"``, ``"xla_update"``, ``"xla"``)
@@ -146,8 +133,6 @@ class Record:
         skipped: mode -> why it was not tried (its memory would not fit).
     """
 
-    owner: int | None = None
-    calls: int = 0
     samples: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     decision: str | None = None
     step_bytes: int | None = None
@@ -269,9 +254,56 @@ class FirstCallGuard:
         return out
 
 
+def training_state(model: keras.Model) -> list:
+    """The variables ``model``'s train step may write: the model's (weights,
+    moving statistics, seed generators' states), its optimizer's, its
+    metrics', and what keras_mp keeps beside them
+    (:func:`keras_mp._installed.step_variables`). A :class:`StepTrial`
+    puts them back after each call it makes.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        >>> state = training_state(model)
+        >>> all(any(v is w for v in state) for w in model.weights)
+        True
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    optimizer = getattr(model, "optimizer", None)
+    found = {}
+    for v in (*model.variables, *(optimizer.variables if optimizer is not None else ()),
+              *model.metrics_variables, *_installed.step_variables(model)):
+        found.setdefault(id(v), v)
+    return list(found.values())
+
+
+def _copy_of(variables: list) -> list[tuple[Any, np.ndarray]]:
+    """Each variable (a Keras or TensorFlow variable) with a copy of its
+    value in host memory."""
+    kept, seen = [], set()
+    for v in variables:
+        target = v.value if isinstance(v, keras.Variable) else v
+        if target is not None and not isinstance(target, tf.Variable):
+            target = v  # read through an autocast scope: the Keras variable itself
+        if target is None or id(target) in seen:
+            continue
+        seen.add(id(target))
+        kept.append((target, np.array(target.numpy(), copy=True)))
+    return kept
+
+
+def _put_back(kept: list[tuple[Any, np.ndarray]]) -> None:
+    """Assigns each variable the value :func:`_copy_of` kept."""
+    for target, value in kept:
+        target.assign(value)
+
+
 class StepTrial:
-    """A train function that measures its candidate modes on its first calls
-    (see the module docstring), then runs the fastest.
+    """A train function that, on its first call, measures its candidate
+    modes on a copy of the training state (see the module docstring), then
+    runs the fastest, from that call on.
 
     Args:
         record: the shared :class:`Record` of the model and dtype set.
@@ -282,23 +314,35 @@ class StepTrial:
         margin: how much faster than the graph another mode must be, by
             both clocks.
         on_decision: called once with the chosen mode's name.
-        cache_key: where set, what identifies the model's step
-            (:func:`keras_mp.execution.start_up.signature`): with the batches'
-            shapes it keys the decision in :mod:`keras_mp.device.cache`, and
-            a decision kept there for the same key is taken on the first call,
-            without measuring (the other modes are then never traced).
         memory_cost: mode -> ``cost(record)``: what trying the mode would add
             to the process, ``(bytes, what)`` (e.g. the whole step under XLA:
             a copy of the graph step's tensors, ``record.step_bytes``), or
             None where unknown; read after the graph's first call, and a mode
             whose cost is over :data:`MEMORY_BUDGET` of the process is not
             tried (module docstring).
+        cache_key: where set, what identifies the model's step
+            (:func:`keras_mp.execution.start_up.signature`): with the batches'
+            shapes it keys the decision in :mod:`keras_mp.device.cache`, and
+            a decision kept there for the same key is taken on the first call,
+            without measuring (the other modes are then never traced).
+        state: returns the variables the train functions write (the
+            training state), put back as they were after each call the
+            trial makes; None: nothing to put back (functions without state).
+        build: called with the first call's first batch before the trial
+            copies the training state: makes what the first trace would
+            create (Keras's compiled metrics,
+            :func:`keras_mp.execution.optimizer_state.build_metrics`), so
+            that the copy holds it.
+        steps_per_call: the batches one call reads from a ``tf.data``
+            iterator (the model's ``steps_per_execution``): read once, and
+            given to each mode's calls and to the call that trains.
     """
 
     def __init__(self, record: Record, candidates: dict[str, Callable[..., Any]],
                  margin: float, on_decision: Callable[[str], None],
                  memory_cost: dict[str, Callable[[Record], tuple[int, str] | None]] | None = None,
-                 cache_key: str | None = None):
+                 cache_key: str | None = None, state: Callable[[], list] | None = None,
+                 steps_per_call: int = 1, build: Callable[[Any], Any] | None = None):
         if not isinstance(record, Record):
             raise TypeError(f"`record` must be a step_trial.Record, got {type(record).__name__}.")
         if not isinstance(candidates, dict) or next(iter(candidates), None) != "graph" \
@@ -313,11 +357,18 @@ class StepTrial:
                 for m, f in memory_cost.items()):
             raise ValueError("`memory_cost` must be a dict from candidate modes other than "
                              f"'graph' to callables, got {memory_cost!r}.")
+        for name, fn in (("state", state), ("build", build)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"`{name}` must be None or callable, got {fn!r}.")
+        if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int) \
+                or steps_per_call < 1:
+            raise ValueError(f"`steps_per_call` must be an int >= 1, got {steps_per_call!r}.")
         self.record, self._fns = record, dict(candidates)
         self._margin, self._on_decision = margin, on_decision
         self._costs = dict(memory_cost)
         self._cache_key = cache_key
         self._full_key: str | None = None
+        self._state, self._steps, self._build = state, steps_per_call, build
 
     def _modes(self) -> list[str]:
         return [m for m, f in self._fns.items()
@@ -348,48 +399,52 @@ class StepTrial:
         return out, cpu, wall
 
     def __call__(self, iterator):
+        if self.record.decision is None and not (
+                self._cache_key is not None and self._from_cache(iterator)):
+            data = lambda: iterator  # noqa: E731 - a list of batches: read again as it is
+            if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+                data = _replayable(iterator, self._steps)
+            self._measure(data)
+            iterator = data()
+        return self._decided(iterator)
+
+    def _measure(self, data: Callable[[], Any]) -> None:
+        """Runs every mode on ``data()`` (module docstring), putting the
+        training state back after each call, and decides."""
         rec = self.record
-        if rec.decision is not None:
-            return self._decided(iterator)
-        if getattr(_untimed, "on", False):
-            return self._fns["graph"](iterator)  # not a step to time (untimed()): graph
-        if rec.owner is None:
-            rec.owner = id(self)
-        if rec.owner != id(self):
-            return self._fns["graph"](iterator)  # another variant measures; until then, graph
-        if rec.calls == 0 and self._cache_key is not None and self._from_cache(iterator):
-            return self._decided(iterator)
+        if self._build is not None:
+            first = data()
+            self._build(first[0] if isinstance(first, (list, tuple)) else next(iter(first)))
+        kept = _copy_of(self._state() if self._state is not None else [])
+        try:
+            for round_ in range(_WARMUP + PAIRS):
+                if len(self._modes()) == 1:
+                    break  # the others failed to compile or would not fit: nothing to time
+                for mode in list(self._fns):
+                    if mode not in self._modes():  # failed to compile, or skipped just now
+                        continue
+                    fn = self._fns[mode]
+                    if round_ == 0 and mode == "graph" and self._costs:
+                        _, cpu, wall = self._first_graph_call(data())
+                    else:
+                        _, cpu, wall = _timed(fn, data(), mode)
+                    _put_back(kept)
+                    if round_ == 0:
+                        # This mode's first call traced and compiled it: its
+                        # graph owns its custom gradients (so that dropping it
+                        # frees it), and the heap that freed goes back
+                        # (keras_mp.device.memory), outside the timing.
+                        memory.after_trace()
+                    if round_ >= _WARMUP and not getattr(fn, "failed", False):
+                        rec.samples.setdefault(mode, []).append((cpu, wall))
+        finally:
+            _put_back(kept)
         modes = self._modes()
-        mode = modes[rec.calls % len(modes)]
-        fn = self._fns[mode]
-        if rec.calls == 0 and self._costs:
-            out, cpu, wall = self._first_graph_call(iterator)
-            modes = self._modes()
-            if len(modes) == 1:
-                rec.calls = 1
-                memory.after_trace()
-                self._decide("graph", "; ".join(rec.skipped.values()))
-                return out
+        if len(modes) == 1:  # kept too: a later process must not decide otherwise
+            self._decide("graph", "; ".join(rec.skipped.values())
+                         or "XLA could not compile the step", remember=True)
         else:
-            out, cpu, wall = _timed(fn, iterator, mode)
-        if rec.calls < len(modes):
-            # This mode's first call traced and compiled it: its graph owns
-            # its custom gradients (so that dropping it frees it), and the
-            # heap that freed goes back (keras_mp.device.memory), outside
-            # the timing.
-            memory.after_trace()
-        rec.calls += 1
-        if getattr(fn, "failed", False):
-            # This mode could not compile (the guard reran the batch as a
-            # graph): the trial starts again without it.
-            rec.calls, rec.samples = 0, {}
-            if len(self._modes()) == 1:
-                self._decide("graph", "XLA could not compile the step")
-        elif rec.calls > _WARMUP * len(modes):
-            rec.samples.setdefault(mode, []).append((cpu, wall))
-            if rec.calls >= calls_to_decide(len(modes)):
-                self._decide_from_samples(modes)
-        return out
+            self._decide_from_samples(modes)
 
     def _from_cache(self, iterator) -> bool:
         """Takes the decision kept for this step and these batches, if any."""

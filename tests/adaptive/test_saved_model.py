@@ -148,3 +148,23 @@ def test_a_loaded_layer_without_get_config_saves_again(tmp_path):
     again = keras.saving.load_model(tmp_path / "b.keras", custom_objects=custom)
     x = np.ones((2, 4), "float32")
     np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(model(x)))
+
+
+def test_a_recurrent_layer_first_keeps_the_whole_policy_in_the_file(tmp_path):
+    # Keras's LSTM, GRU and SimpleRNN serialize their cell (its policy with it,
+    # written whole as the first the save meets) and then drop the cell's
+    # config: the file once held only short configs, and refused to load.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 6, 3)).astype("float32")
+    for rnn in (keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN):
+        with keras_mp.policy_scope("adaptive_float16"):
+            model = keras.Sequential([keras.Input((6, 3)), rnn(5), keras.layers.Dense(2)])
+        policy = model.layers[0].dtype_policy
+        policy.assign(model.layers[1].path, "float32")   # a decision the file must keep
+        path = tmp_path / f"{rnn.__name__}.keras"
+        model.save(path)
+        configs = _policy_configs(path)   # the model's, the RNN's and the Dense layer's
+        assert len(configs) == 3 and sum("records" in c for c in configs) == 1, rnn.__name__
+        loaded = keras.saving.load_model(path)
+        assert [layer.compute_dtype for layer in loaded.layers] == ["float16", "float32"]
+        np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(model(x)))

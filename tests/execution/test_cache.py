@@ -47,9 +47,9 @@ def test_a_kept_trial_decision_is_taken_on_the_first_call(tmp_path, monkeypatch)
     decided = []
     trial = step_trial.StepTrial(step_trial.Record(), {"graph": fn("graph"), "xla": fn("xla")},
                                  1.05, decided.append, cache_key="model-a")
-    for _ in range(step_trial.calls_to_decide(2)):
-        trial(_Batches())
-    assert decided == ["xla"]
+    trial(_Batches())   # measured on the first call, which then runs the decided mode
+    assert decided == ["xla"] and calls == {"graph": step_trial.calls_to_decide(2) // 2,
+                                            "xla": step_trial.calls_to_decide(2) // 2 + 1}
     calls.update(graph=0, xla=0)
     again = step_trial.StepTrial(step_trial.Record(), {"graph": fn("graph"), "xla": fn("xla")},
                                  1.05, decided.append, cache_key="model-a")
@@ -57,8 +57,9 @@ def test_a_kept_trial_decision_is_taken_on_the_first_call(tmp_path, monkeypatch)
     assert decided == ["xla", "xla"] and calls == {"graph": 0, "xla": 1}
     other = step_trial.StepTrial(step_trial.Record(), {"graph": fn("graph"), "xla": fn("xla")},
                                  1.05, decided.append, cache_key="model-b")
+    calls.update(graph=0, xla=0)
     other(_Batches())                                  # another model measures
-    assert decided == ["xla", "xla"] and other.record.decision is None
+    assert decided == ["xla", "xla", "xla"] and calls["graph"] == step_trial.PAIRS + 2
 
 
 def test_expect_and_expected_calls_check_their_input():

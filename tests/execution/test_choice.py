@@ -280,7 +280,7 @@ def test_adaptive_precision_applies_the_mode(monkeypatch):
 
 def test_measured_matmul_placement_and_set_xla_override():
     execution.configure(keras_mp.fuse(_model()), mode="graph")  # fused Dense layers
-    p = execution.profile()
+    p = execution.profile(steps=False)   # the matmuls-only profile first, where one is kept
     if "xla" in p.matmul.get("float32", {}):
         assert xla.uses_xla("matmul", "CPU") == p.matmul_xla_wins("float32")
     keras_mp.config.set_xla("matmul", True)
@@ -361,14 +361,17 @@ def test_auto_measures_the_models_own_step(monkeypatch, caplog, factors, expecte
     model = _model()
     assert execution.configure(model, mode="auto") == "trial"
     assert execution.candidate_modes(model) == ("graph", "xla_update", "xla")
-    calls = step_trial.calls_to_decide(3)
     with caplog.at_level(logging.INFO, logger="keras_mp"):
-        model.fit(x[:8 * (calls - 1)], y[:8 * (calls - 1)], batch_size=8, verbose=0)
-        assert execution.chosen(model) == "trial"  # one call short of the decision
-        model.fit(x, y, batch_size=8, verbose=0)
-    # Every batch trained once, in whichever mode.
-    assert model.optimizer.iterations.numpy() == calls - 1 + 30
+        model.fit(x[:8], y[:8], batch_size=8, verbose=0)
+    # Decided on the first call, on a copy of the training state: that call
+    # and every later one trained once, in the mode decided.
     assert execution.chosen(model) == expected and model.jit_compile is (expected == "xla")
+    assert model.optimizer.iterations.numpy() == 1
+    samples = model.train_function.record.samples
+    assert {m: len(s) for m, s in samples.items()} == dict.fromkeys(
+        ("graph", "xla_update", "xla"), step_trial.PAIRS)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert model.optimizer.iterations.numpy() == 31
     told = [r for r in caplog.records if "this model's train step runs" in r.getMessage()]
     assert len(told) == 1 and "interleaved rounds" in told[0].getMessage()
     assert execution.configure(model) == expected  # decided once per model and dtypes
@@ -379,8 +382,33 @@ def test_auto_measures_the_models_own_step(monkeypatch, caplog, factors, expecte
     execution.configure(other, mode="graph")
     other.fit(x[:16], y[:16], batch_size=8, verbose=0)
     assert execution.configure(other, mode="auto") == "trial"
-    other.fit(x[:8 * calls], y[:8 * calls], batch_size=8, verbose=0)
+    other.fit(x[:8], y[:8], batch_size=8, verbose=0)
     assert execution.chosen(other) == expected
+
+
+def test_the_trial_trains_as_the_mode_it_decides(monkeypatch, tmp_path, xla_matmuls_not_slow):
+    # The trial's calls run on a copy of the training state: a model
+    # measured (nothing kept) and one that reads the decision kept on disk
+    # train the same weights, optimizer state and metric totals, bit for bit.
+    from keras_mp.device import cache
+
+    monkeypatch.setenv(cache.ENV_VAR, str(tmp_path))
+    _fake_clocks(monkeypatch, {"xla": 0.8, "xla_update": 0.6})
+    x, y = _data(8 * 12)
+    ends = []
+    for _ in range(2):
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="gelu"),
+                                  keras.layers.Dropout(0.3), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="rmsprop", loss="mse", metrics=["mae"])
+        assert execution.configure(model, mode="auto") == "trial"
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        assert execution.chosen(model) == "xla_update"
+        ends.append([np.asarray(v) for v in step_trial.training_state(model)])
+    assert len(ends[0]) == len(ends[1]) > 10
+    for a, b in zip(*ends):
+        np.testing.assert_array_equal(a, b)
 
 
 def _train_step_graphs() -> list:
@@ -509,15 +537,16 @@ def test_a_memory_heavy_mode_is_tried_only_where_it_fits(caplog):
     trial, calls, decided = _trial(int(0.10 * rss))
     with caplog.at_level(logging.INFO, logger="keras_mp"):
         trial(None)
-    assert decided == ["graph"] and calls == {"graph": 1, "xla": 0}
+    # One call to measure the graph's tensors (on a copy), one that trains.
+    assert decided == ["graph"] and calls == {"graph": 2, "xla": 0}
     assert trial.record.step_bytes >= 0.10 * rss and "xla" in trial.record.skipped
     assert any("not tried under XLA" in r.getMessage() for r in caplog.records)
     # A step of 1 MiB: the mode is measured. (TensorFlow's oneDNN CPU allocator
     # counts allocations from 256 KiB up; smaller ones go to malloc.)
     trial, calls, decided = _trial(2**20)
-    for _ in range(step_trial.calls_to_decide(2)):
-        trial(None)
-    assert calls["xla"] == step_trial.calls_to_decide(2) // 2 and len(decided) == 1
+    trial(None)
+    assert len(decided) == 1 and calls["graph"] + calls["xla"] == step_trial.calls_to_decide(2) + 1
+    assert calls["xla"] == step_trial.calls_to_decide(2) // 2 + (decided == ["xla"])
     assert trial.record.skipped == {} and trial.record.step_bytes < 0.05 * rss
     with pytest.raises(ValueError, match="`memory_cost`"):
         step_trial.StepTrial(step_trial.Record(), {"graph": len, "xla": len}, 1.05, print,
@@ -555,28 +584,26 @@ def test_the_update_under_xla_is_tried_only_where_its_code_fits(monkeypatch, cap
 
 def test_adaptive_steps_and_the_trial_share_one_trace(monkeypatch, xla_matmuls_not_slow):
     # Plain and statistics steps run one trace from the first call, and the
-    # trial times the graph and the update under XLA on it (the whole step
-    # under XLA is a trace of its own, freed once the decision is taken).
-    # Statistics steps are not timed.
+    # trial times the graph and the update under XLA on it. The trial's calls
+    # (on the first call, a statistics step or not) leave nothing in the
+    # statistics, the guard's counts or the optimizer: they run on a copy.
     _fake_clocks(monkeypatch, {"xla": 0.8, "xla_update": 0.6})
     x, y = _data(8 * 30)
     keras_mp.set_global_policy("adaptive_bfloat16")
     try:
-        model = _model()
-        cb = keras_mp.callbacks.AdaptivePrecision(interval=100, statistics_every=3,
-                                                  probe_every=None, first_decision=None)
-        calls = step_trial.calls_to_decide(3)
-        earlier = weakref.WeakSet(_train_step_graphs())
-        model.fit(x[:8 * calls], y[:8 * calls], batch_size=8, verbose=0, callbacks=[cb])
-        # 18 calls, 6 of them statistics steps: the trial counted 12 and measures on.
-        assert execution.measuring(model) and cb._functions.shared
-        gc.collect()
-        assert len([g for g in _train_step_graphs() if g not in earlier]) == 2
-        model.fit(x[8 * calls:], y[8 * calls:], batch_size=8, verbose=0, callbacks=[cb])
-        assert execution.chosen(model) == "xla_update" and cb._functions.shared
-        gc.collect()
-        assert len([g for g in _train_step_graphs() if g not in earlier]) == 1
-        assert cb._stats.read().steps == 10  # calls 3, 6, ..., 30
-        assert model.optimizer.iterations.numpy() == 30
+        for statistics_every in (3, 1):   # the first call: a plain step, a statistics step
+            # A fused normalization: more XLA work than a short fit of a small
+            # Dense model, which measures nothing (reasons.short_fit).
+            model = _model(keras_mp.fused.layers.LayerNormalization())
+            cb = keras_mp.callbacks.AdaptivePrecision(
+                interval=100, statistics_every=statistics_every, probe_every=None,
+                first_decision=None)
+            model.fit(x, y, batch_size=8, verbose=0, callbacks=[cb])
+            assert execution.chosen(model) == "xla_update" and not execution.measuring(model)
+            assert cb._functions.shared is (statistics_every > 1)
+            assert cb._stats.read().steps == 30 // statistics_every  # calls 3, 6, ..., 30
+            assert model.optimizer.iterations.numpy() == 30
+            assert execution.reasons.little_to_compile(model) is None
+            assert keras_mp.precision_report(model).skipped_steps in (0, None)
     finally:
         keras_mp.set_global_policy("float32")

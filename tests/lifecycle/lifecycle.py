@@ -109,9 +109,9 @@ class Steps:
 
 def predict(model, x):
     """``model``'s outputs on ``x`` computed as a TensorFlow graph, as a
-    SavedModel or a fresh process computes them (``model.predict`` runs
-    under XLA after ``mode="xla"``, which rounds low-precision work, float8
-    most, otherwise)."""
+    SavedModel or a fresh process computes them (``model.predict`` runs as
+    ``compile`` set ``jit_compile``, whatever the train step's mode:
+    keras_mp.execution.inference)."""
     import tensorflow as tf
 
     fn = tf.function(lambda t: model(t, training=False), autograph=False)
@@ -127,9 +127,10 @@ QUANTIZE_TOL = 1e-5
 #: whose rounding reached 23 % of the largest output: its ONNX file is held
 #: to the float32 copy's outputs only.
 ONNX_TOL = {"adaptive_bfloat16": 5e-2, "adaptive_float16": 1e-2}
-#: ``model.predict`` (XLA after ``mode="xla"``) against the same model as a
-#: TensorFlow graph (largest |a - b| over the largest |output|). The two
-#: round a layer's bfloat16 arithmetic differently (XLA keeps float32
+#: ``model.predict`` (batches of 32) against the same model as one
+#: TensorFlow graph call (largest |a - b| over the largest |output|). Until
+#: issue 49 ``model.predict`` ran under XLA after ``mode="xla"``, which
+#: rounds a layer's bfloat16 arithmetic differently (XLA keeps float32
 #: between fused operations): given the same inputs, each float8 layer's
 #: outputs differed by up to 0.7 % (AVX512-BF16 EPYC). The next layer
 #: quantizes its inputs to E4M3, whose steps are 12.5 % apart, so an input

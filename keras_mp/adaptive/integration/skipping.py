@@ -262,6 +262,7 @@ def guard(model: keras.Model) -> bool:
         return False
     install()
     setattr(held, _ATTR, _Guard(model))
+    _installed.keep_with_step(model, _ATTR, [getattr(held, _ATTR).counts])  # written by each step
     _installed.install_method(model, "train_step", _guarded(model, getattr(held, _ATTR)))
     model.train_function = None
     return True

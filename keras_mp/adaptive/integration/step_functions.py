@@ -27,9 +27,9 @@ that the process does not hold a second copy of the whole step. They cannot
 where every step records statistics (``statistics_every=1``), or where a
 float8-capable layer's call differs on statistics steps. The trace is shared
 from the first call, the execution trial's too
-(:mod:`keras_mp.execution.step_trial`): it times the shared trace's plain
-steps, and statistics steps run untimed (:func:`~keras_mp.execution.step_trial.untimed`),
-so no step is traced twice for the trial's sake.
+(:mod:`keras_mp.execution.step_trial`: it times the shared trace on the
+first call, on a copy of the training state), so no step is traced twice
+for the trial's sake.
 
 Measured (2-core AMD EPYC with AVX512-BF16, peak process memory over 30
 steps, fresh processes, the bench's models): with the step pinned to the
@@ -57,7 +57,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -66,7 +65,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp import _installed
-from keras_mp.execution import choice, step_trial
+from keras_mp.execution import choice
 from keras_mp.adaptive.integration import rescue
 from keras_mp.adaptive.evidence.hooks import Hooks
 from keras_mp.device import memory
@@ -176,9 +175,7 @@ class StepFunctions:
 
         def call(*args, **kwargs):
             hooks.set_statistics(on)
-            # A statistics step is slower: the execution trial does not time it.
-            with step_trial.untimed() if on else contextlib.nullcontext():
-                return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         return call
 
     def _probing(self, stats: Callable[..., Any], probe: Callable[[Any], None]

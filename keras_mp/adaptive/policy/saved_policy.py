@@ -7,7 +7,8 @@ by every layer would be written once per layer (its records with it: the
 text classifier of issue 41 grew from 6 KB to 135 KB). While Keras saves a
 model (inside its ``ObjectSharingScope``), :func:`first_in_save` lets the
 first layer's config carry the whole policy and the others only its name and
-candidates.
+candidates (where the first was a sublayer's config that its layer dropped,
+a recurrent layer's cell, another layer's is made whole when the save ends).
 
 While Keras loads a model, :func:`read` makes every config of one policy
 (however many, in any order, full or short, from files of any keras-mp
@@ -47,6 +48,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from keras.src.backend.common import global_state  # no public name
@@ -89,6 +91,61 @@ def first_in_save(policy: Any) -> bool:
     return True
 
 
+def _key(config: dict) -> tuple:
+    """What identifies a policy in a file, as :func:`read` groups them."""
+    return config.get("name"), tuple(sorted(config.get("candidates") or ()))
+
+
+def _keep_whole(configs: dict) -> None:
+    """Makes a short config of each policy whole (one that any load reads,
+    :func:`read`) where no whole one is in the saved model's config: a
+    layer can serialize a sublayer and drop its config (Keras's ``LSTM``,
+    ``GRU`` and ``SimpleRNN`` serialize their cell's, policy included, then
+    delete it), and the loaded model would refer to a policy no config holds
+    (:func:`_check_whole`).
+
+    ``configs`` is the save's id -> config map: Keras records each object's
+    first config under its id (the policy's whole one) and an object after
+    what it holds, so the model's config is the last one recorded. (What the
+    file holds are copies of those configs, made as each enclosing object's
+    config was serialized: they are found by what they say, as a load reads
+    them.)"""
+    top = next((c for k, c in reversed(configs.items()) if isinstance(k, int)), None)
+    wholes = {}
+    for policy_id in configs.get(_WRITTEN, ()):
+        outer = configs.get(policy_id)
+        if isinstance(outer, dict) and isinstance(outer.get("config"), dict):
+            wholes[_key(outer["config"])] = outer
+    if top is None or not wholes:
+        return
+    found: dict[tuple, list[tuple[dict, bool]]] = {}  # policy -> (config, in a layer's)
+    stack = [(top, False)]
+    while stack:  # depth first, in the file's order
+        node, in_layers = stack.pop()
+        if isinstance(node, dict):
+            inner = node.get("config")
+            if isinstance(inner, dict) and "candidates" in inner and _key(inner) in wholes \
+                    and node.get("class_name") == wholes[_key(inner)].get("class_name"):
+                found.setdefault(_key(inner), []).append((node, in_layers))
+                continue
+            stack.extend(reversed([(v, in_layers or k == "layers") for k, v in node.items()
+                                   if isinstance(v, (dict, list))]))
+        elif isinstance(node, list):
+            stack.extend(reversed([(v, in_layers) for v in node if isinstance(v, (dict, list))]))
+    for key, nodes in found.items():
+        if any(not node["config"].get(SHORT) for node, _ in nodes):
+            continue
+        # A layer's config (a load reads every layer's; a model's own dtype
+        # it may not read), else all of them.
+        layers = [node for node, in_layers in nodes if in_layers]
+        for node in layers[:1] or [node for node, _ in nodes]:
+            node["config"] = copy.deepcopy(wholes[key]["config"])
+            # Read whatever the load's order: a config marked as a shared
+            # object is skipped where another of the same mark was read
+            # first; read() makes every config of the policy one object.
+            node.pop("shared_object_id", None)
+
+
 def read(cls, config: dict[str, Any]):
     """The policy ``config`` describes: inside a load, the one policy of that
     name and candidates this load has read (``config``'s records and
@@ -116,7 +173,8 @@ def read(cls, config: dict[str, Any]):
 
 def install(adaptive_policy: type) -> None:
     """Wraps ``ObjectSharingScope.__exit__`` (once) so that a load restores
-    the global policy that :func:`read` replaced, and ``Operation.__new__``
+    the global policy that :func:`read` replaced and a save keeps each
+    policy's whole config (:func:`_keep_whole`), and ``Operation.__new__``
     so that a layer made with an ``adaptive_policy`` object (the class,
     passed in: its module imports this one) keeps its auto config (module
     docstring)."""
@@ -137,6 +195,9 @@ def install(adaptive_policy: type) -> None:
 
     def __exit__(self, *args, **kwargs):
         loaded = _scope("id_to_obj_map")
+        saving = _scope("id_to_config_map")
+        if saving is not None and saving.get(_WRITTEN) and not (args and args[0] is not None):
+            _keep_whole(saving)
         try:
             result = keras_exit(self, *args, **kwargs)
         finally:

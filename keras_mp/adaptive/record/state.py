@@ -38,6 +38,7 @@ import keras
 import numpy as np
 from keras.src.utils.tracking import DotNotTrackScope  # no public name
 
+from keras_mp import _installed
 from keras_mp.adaptive.decisions import controller
 from keras_mp.adaptive.record import timeline as timeline_lib
 
@@ -181,4 +182,7 @@ def attached(model: keras.Model, attr: str, cls, paths: tuple[str, ...], make):
     object.__setattr__(model, attr, obj)
     with DotNotTrackScope():
         model._track_trackable(obj, name=attr, overwrite=True)
+    # Not in model.variables: the execution trial puts them back after the
+    # calls it makes on a copy of the training state.
+    _installed.keep_with_step(model, attr, obj.variables)
     return obj, True
