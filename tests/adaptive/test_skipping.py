@@ -143,6 +143,30 @@ def test_the_metric_totals_of_an_epoch_leave_out_its_skipped_step():
     assert np.isnan(logged[1]) and np.isfinite([logged[0], *logged[2:]]).all()
 
 
+@pytest.mark.parametrize("policy", ["adaptive_float16", "mixed_float16"])
+def test_routine_overflows_of_a_high_scale_keep_the_epochs_loss_as_keras_does(
+        policy, adapt_every_fit):
+    """A loss scale far too high overflows float16's gradients in every step
+    of the epoch: skipped routinely (above its floor), the steps still count
+    in the metric totals, so the epoch logs the loss the unchanged weights
+    make (Keras's mixed_float16 beside it), not the 0 of an empty mean."""
+    keras.utils.set_random_seed(0)
+    x, y = _data(128)
+    model = _model(policy, True)
+    wrap = keras_mp.LossScaleOptimizer if policy.startswith("adaptive") else \
+        keras.optimizers.LossScaleOptimizer
+    model.compile(wrap(keras.optimizers.Adam(1e-2), initial_scale=2.0 ** 60), "mse")
+    before = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    assert int(model.optimizer.iterations.numpy()) == 0   # every step skipped
+    moving = model.layers[1].moving_mean.numpy()   # the forward pass's own updates kept
+    assert np.abs(moving).max() > 0
+    np.testing.assert_allclose(h.history["loss"][0], before, rtol=0.05)
+    assert not any("were skipped" in str(w.message) for w in caught)
+
+
 def test_terminate_on_nan_still_stops_the_run():
     x, y = _data(128)
     model = _model("adaptive", False)

@@ -191,6 +191,8 @@ def train(policy: str, folder: str) -> None:
     chosen = steps("fit", fit)
     info = {"policy": policy, "mode": os.environ.get("KERAS_MP_EXECUTION"), "chosen": chosen,
             "optimizer": type(model.optimizer).__name__,
+            "inner": type(getattr(model.optimizer, "inner_optimizer", model.optimizer)).__name__,
+            "scale": repr(getattr(model.optimizer, "schedule", None)),
             "dtypes": sorted({layer.compute_dtype for layer in model.layers}),
             "weights": sorted(v.path for v in model.weights)}
     with open(os.path.join(folder, "info.json"), "w") as f:

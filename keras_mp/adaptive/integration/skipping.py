@@ -28,7 +28,8 @@ turns it into 0), so that the logged loss says which steps were skipped for bad
 data and ``keras.callbacks.TerminateOnNaN`` stops the run as it would under
 Keras; its evidence counts for no layer (no promotion comes of it), and the
 loss scale neither backs off nor grows. A step skipped for an overflow of its
-own (float16 gradients at a loss scale too high) logs its finite loss, as
+own (float16 gradients at a loss scale too high, above the scale's floor)
+logs its finite loss and keeps what its forward pass and metrics recorded, as
 under Keras's ``mixed_float16``, and does not stop the run. Skipped steps are
 counted per epoch and warned about once per epoch (how many, the first, how
 many were bad data; :class:`SkipReport`), but for the skips a dynamic loss
@@ -183,8 +184,7 @@ class _Guard:
         not on bad data) counts as a step, not as a skip."""
         c = self.counts.read_value()
         step = c[0] + 1
-        expected = tf.constant(False) if routine is None else routine if bad is None else \
-            tf.logical_and(routine, tf.logical_not(bad))
+        expected = _routine(routine, bad)
         skipped = tf.cast(tf.logical_not(finite) & tf.logical_not(expected), tf.int64)
         bad = tf.zeros([], tf.int64) if bad is None else tf.cast(bad, tf.int64) * skipped
         first = tf.where((skipped > 0) & (c[3] == 0), step, c[3])
@@ -201,6 +201,14 @@ class _Guard:
 
     def new_epoch(self) -> None:
         self.counts.assign(tf.concat([tf.zeros([4], tf.int64), self.counts[4:]], 0))
+
+
+def _routine(routine: tf.Tensor | None, bad: tf.Tensor | None) -> tf.Tensor:
+    """Whether a skip is one a dynamic loss scale makes routinely (above its
+    floor, on a batch not known to be bad data)."""
+    if routine is None:
+        return tf.constant(False)
+    return routine if bad is None else tf.logical_and(routine, tf.logical_not(bad))
 
 
 def _guarded(model: keras.Model, guard: _Guard):
@@ -229,7 +237,10 @@ def _guarded(model: keras.Model, guard: _Guard):
             routine = tf.reduce_all(tf.stack(routines)) if routines else None
             bad = tf.reduce_any(tf.stack(bads)) if bads else None
             with tf.control_dependencies([t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]):
-                done = tf.cond(finite, lambda: tf.constant(False), step.restore)
+                # A routine skip keeps what the forward pass and the metrics
+                # recorded (its values are finite), as Keras's mixed_float16 does.
+                done = tf.cond(finite | _routine(routine, bad), lambda: tf.constant(False),
+                               step.restore)
                 guard.count(finite, bad, routine)
             step.forget()
             with tf.control_dependencies([done]):
