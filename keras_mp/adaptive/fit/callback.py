@@ -7,8 +7,8 @@ What the callback does, and when:
   function is built): finds the model's :class:`keras_mp.AdaptivePolicy` and
   its controlled layers (:func:`keras_mp.policies.adaptive_layers`: every layer, with
   or without weights), those an earlier fit too small to gain put in float32
-  back in their narrowest dtype
-  (:func:`~keras_mp.adaptive.integration.switching.release`). With float32 the
+  back in their narrowest dtype (:func:`~keras_mp.adaptive.integration.switching.release`),
+  frozen weights stored in that dtype (:mod:`~keras_mp.adaptive.storage.frozen`). With float32 the
   only candidate it does nothing else (no wrapper, hook or statistics). Otherwise
   it installs the model's :class:`~keras_mp.adaptive.evidence.hooks.Hooks` (forward
   statistics, the probe), attaches a :class:`~keras_mp.adaptive.evidence.stats.LayerStatistics`,
@@ -28,7 +28,7 @@ What the callback does, and when:
   calls: reads the statistics once, asks
   :func:`~keras_mp.adaptive.decisions.controller.decide`, assigns the new dtypes
   in the policy and rebuilds the train functions only if a dtype (or a trial)
-  changed. Optimizer variables are untouched (variables stay float32).
+  changed. No variable is stored anew inside a fit.
 * every epoch end: a callback passed to ``fit`` adds ``precision_switches``
   and ``precision_narrow_layers`` to the logs (``History``); the one ``fit``
   adds by itself (``history_logs=False``) leaves ``History`` as Keras's
@@ -78,6 +78,7 @@ from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.record import timeline
 from keras_mp.adaptive.record.state import PrecisionState, attached
+from keras_mp.adaptive.storage import frozen
 from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
@@ -115,9 +116,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
         first_decision: an int >= 1: a ``fit`` from scratch decides first after this many
             calls or the first epoch if shorter, when before ``interval`` and the fit's
             last call (``step_functions.first_call``); None: at ``interval``.
-        log_dir: a directory for TensorBoard scalars (per layer: compute
-            bits and key statistics; the loss scale; probe errors; switches),
-            or None.
+        log_dir: a directory for TensorBoard scalars (per layer: compute bits and key
+            statistics; the loss scale; probe errors; switches), or None.
         verbose: 1 prints every switch.
         history_logs: True: ``precision_switches`` and ``precision_narrow_layers`` join
             the epoch's logs (``History``); False: they stay Keras's (the callback
@@ -212,8 +212,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._layers = layers
         self._paths = tuple(layer.path for layer in layers)
         made = switching.release(policy, self._paths, layers, policy.calls)  # a fit's no_gain
-        if made:
-            self.events += made
+        self.events += made
+        if made or frozen.apply(model, layers):  # frozen weights in their layers' dtypes
             model.train_function = model.test_function = model.predict_function = None
         # Nothing to adapt: nothing runs (the step is plain Keras float32).
         self._inert = len(policy.candidates) == 1
