@@ -24,12 +24,6 @@ POLICIES = ("adaptive", "adaptive_float16")
 pytestmark = pytest.mark.usefixtures("adapt_every_fit")
 
 
-@pytest.fixture(autouse=True)
-def _storage_on():
-    yield
-    keras_mp.config.set_compact_storage(True)
-
-
 def _narrow(policy: str) -> str:
     """The dtype frozen weights are stored in under ``policy`` here."""
     with keras_mp.policy_scope(policy) as p:
