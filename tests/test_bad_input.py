@@ -32,11 +32,12 @@ from keras_mp.adaptive.decisions import controller, gain, scale_rule
 from keras_mp.adaptive.evidence import float8, forward, hooks, probe, stats
 from keras_mp.adaptive.record import state as precision_state, timeline
 from keras_mp.adaptive.outputs import report, tensorboard
-from keras_mp.adaptive.storage import frozen, variables as storage_vars
+from keras_mp.adaptive.storage import frozen, moments, variables as storage_vars
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
-from keras_mp.execution import fused_update, native_update, optimizer_state, step_trial
+from keras_mp.execution import compact_update, fused_update, native_update, optimizer_state
+from keras_mp.execution import step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
@@ -56,11 +57,13 @@ MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain
            "adaptive.policy.controlled_layers", "adaptive.policy.float8_policy",
            "adaptive.policy.layer_paths",
            "adaptive.policy.saved_policy", "adaptive.record.state", "adaptive.record.timeline",
-           "adaptive.storage", "adaptive.storage.frozen", "adaptive.storage.variables",
+           "adaptive.storage", "adaptive.storage.frozen", "adaptive.storage.moments",
+           "adaptive.storage.variables",
            "callbacks", "cli", "cli.command", "cli.demo", "cli.deploy_demo", "config", "datasets",
            "deploy", "deploy.export", "deploy.quantization", "device", "device.capabilities",
            "device.memory", "device.xla", "distribute", "execution", "execution.fused_update",
-           "execution.native_update", "execution.optimizer_state", "execution.reasons",
+           "execution.compact_update", "execution.native_update", "execution.optimizer_state",
+           "execution.reasons",
            "execution.step_trial", "fused", "fused.fuse", "fused.layers", "fused.losses",
            "fused.metrics", "fused.ops", "fused.shared_matches", "policies", "scaling",
            "scaling.kernels", "scaling.layer_scales", "scaling.loss_scale", "scaling.optimizer",
@@ -78,6 +81,7 @@ NO_ARGUMENTS = {
     "adaptive.fit.autofit.enabled", "adaptive.fit.autofit.install", "adaptive.evidence.float8.install",
     "adaptive.fit.autofit.min_saving", "config.autofit_enabled", "config.min_saving",
     "config.skip_nonfinite", "config.compact_storage", "adaptive.storage.frozen.enabled",
+    "config.compact_moments", "adaptive.storage.moments.enabled",
     # what fit was given, read as Keras reads it: None where it says nothing
     "adaptive.decisions.gain.fit_steps",
     "adaptive.policy.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
@@ -207,6 +211,22 @@ CASES = [
      TypeError, "`variable`"),
     ("adaptive.storage.variables.nbytes", lambda: storage_vars.nbytes("v"), TypeError,
      "`variable`"),
+    ("config.set_compact_moments", lambda: keras_mp.config.set_compact_moments(None),
+     TypeError, "`enabled`"),
+    ("adaptive.storage.moments.set_enabled", lambda: moments.set_enabled("on"), TypeError,
+     "`enabled`"),
+    ("adaptive.storage.moments.unsupported_reason", lambda: moments.unsupported_reason("adam"),
+     TypeError, "`optimizer`"),
+    ("adaptive.storage.moments.apply", lambda: moments.apply("model"), TypeError, "`model`"),
+    ("adaptive.storage.moments.apply", lambda: moments.apply(_model()), ValueError, "`model`"),
+    ("execution.compact_update.applies", lambda: compact_update.applies("adam", None), TypeError,
+     "`optimizer`"),
+    ("execution.compact_update.adam", lambda: compact_update.adam(None, None, None, 1e-3),
+     TypeError, "`optimizer`"),
+    ("execution.compact_update.dither", lambda: compact_update.dither((2,), 0, 0, -1),
+     ValueError, "`salt`"),
+    ("execution.compact_update.dithered", lambda: compact_update.dithered(np.ones(2), None),
+     TypeError, "`value`"),
     ("config.set_xla", lambda: keras_mp.config.set_xla("conv", True), ValueError, "`kind`"),
     ("config.uses_xla", lambda: keras_mp.config.uses_xla("conv"), ValueError, "`kind`"),
     ("config.set_execution", lambda: keras_mp.config.set_execution("model"), TypeError,

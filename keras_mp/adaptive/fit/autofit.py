@@ -70,7 +70,7 @@ from keras_mp import _installed
 from keras_mp.adaptive.decisions import gain
 from keras_mp.adaptive.integration import optimizer_setup, skipping, step_functions, switching
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
-from keras_mp.adaptive.storage import frozen
+from keras_mp.adaptive.storage import frozen, moments
 from keras_mp.scaling import skips
 
 __all__ = ["callback_of", "enabled", "install", "min_saving", "set_enabled", "set_min_saving"]
@@ -158,9 +158,13 @@ def _guarded(model: keras.Model, policy, callbacks, given: list, by_hand):
 
 
 def _stored(model: keras.Model, layers, restore_only: bool) -> None:
-    """Each weight stored as :mod:`keras_mp.adaptive.storage.frozen` decides;
-    functions traced with a variable stored anew are traced again."""
-    if frozen.apply(model, layers, restore_only=restore_only):
+    """Each weight stored as :mod:`keras_mp.adaptive.storage.frozen` decides,
+    and the optimizer's moments as :mod:`~keras_mp.adaptive.storage.moments`
+    does; functions traced with a variable stored anew are traced again."""
+    changed = frozen.apply(model, layers, restore_only=restore_only)
+    if not restore_only and moments.apply(model):
+        changed = True
+    if changed:
         model.train_function = model.test_function = model.predict_function = None
 
 

@@ -7,10 +7,13 @@
 * :mod:`~keras_mp.adaptive.storage.frozen`: weights that do not train are
   stored in their layer's compute dtype (on by default,
   :func:`keras_mp.config.set_compact_storage`), decided at the start of each
-  ``fit``.
+  ``fit``;
+* :mod:`~keras_mp.adaptive.storage.moments`: Adam's and AdamW's moments in
+  bfloat16, the update in float32 (off by default,
+  :func:`keras_mp.config.set_compact_moments`).
 
 Not stored compactly (yet): master weights that train (float32), gradients
-(the variable's dtype), optimizer moments (the variable's dtype).
+(the variable's dtype), other optimizers' state.
 
 Example:
     >>> from keras_mp.adaptive import storage
@@ -18,6 +21,6 @@ Example:
     True
 """
 
-from keras_mp.adaptive.storage import frozen, variables
+from keras_mp.adaptive.storage import frozen, moments, variables
 
-__all__ = ["frozen", "variables"]
+__all__ = ["frozen", "moments", "variables"]
