@@ -31,7 +31,11 @@ Variants: ``keras_float32``, ``keras_mixed_bfloat16`` (Keras alone,
 "adaptive")``, ``fit`` as a user calls it: on a CPU with bfloat16 units
 ``"adaptive"`` chooses among bfloat16 and float32, ``keras-mp info``).
 ``keras_mp_float32_storage`` is ``keras_mp`` with compact storage off
-(``keras_mp.config.set_compact_storage(False)``): what the storage saves.
+(``keras_mp.config.set_compact_storage(False)``): what storing frozen
+weights in bfloat16 saves; ``keras_mp_compact_moments`` is ``keras_mp`` with
+``keras_mp.config.set_compact_moments(True)`` (AdamW's moments in bfloat16).
+``--repeats N`` runs every variant N times, interleaved, and reports the run
+of median peak (``peak_samples``: all of them).
 
 Run: ``python -m benchmarks.llm_memory [--tunings full,lora] [--variants ...]
 [--json out.json]`` (about 2 minutes a variant on a 2-core CPU).
@@ -64,7 +68,7 @@ SIZE: dict[str, int] = dict(vocabulary_size=32000, num_layers=8, num_query_heads
                             hidden_dim=768, intermediate_dim=2048, num_key_value_heads=4)
 BATCH, LENGTH, STEPS, LORA_RANK = 4, 128, 4, 8
 VARIANTS: tuple[str, ...] = ("keras_float32", "keras_mixed_bfloat16", "keras_mp",
-                             "keras_mp_float32_storage")
+                             "keras_mp_float32_storage", "keras_mp_compact_moments")
 TUNINGS: tuple[str, ...] = ("full", "lora")
 _MARK = "KERAS_MP_LLM_MEMORY "
 
@@ -140,8 +144,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         import keras_mp
 
         keras_mp.set_global_policy("adaptive")
-        if variant == "keras_mp_float32_storage":
-            keras_mp.config.set_compact_storage(False)
+        keras_mp.config.set_compact_storage(variant != "keras_mp_float32_storage")
+        keras_mp.config.set_compact_moments(variant == "keras_mp_compact_moments")
     else:
         keras.config.set_dtype_policy(variant.removeprefix("keras_"))
     rng = np.random.default_rng(0)
@@ -180,25 +184,38 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(variants: Sequence[str] = VARIANTS[:3], tunings: Sequence[str] = TUNINGS,
-        steps: int = STEPS, timeout: float = 1800.0) -> dict[str, dict[str, Any]]:
-    """``{tuning: {variant: figures}}``, each variant in a fresh process, one
-    at a time (figures: see the module's docstring; ``{"error": ...}`` where
-    a process failed)."""
+        steps: int = STEPS, repeats: int = 1,
+        timeout: float = 1800.0) -> dict[str, dict[str, Any]]:
+    """``{tuning: {variant: figures}}``, each run in a fresh process, one at
+    a time, ``repeats`` rounds of all (figures: see the module's docstring,
+    of the run of median peak; ``{"error": ...}`` where a process failed)."""
     bad = [v for v in variants if v not in VARIANTS] + [t for t in tunings if t not in TUNINGS]
     if bad:
         raise ValueError(f"`variants` must be among {VARIANTS} and `tunings` among {TUNINGS}, "
                          f"got {bad}.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"`steps` must be an int >= 2, got {steps!r}.")
-    return {t: {v: memory.fresh_process("benchmarks.llm_memory",
-                                        dict(variant=v, tuning=t, steps=steps), _MARK, timeout)
-                for v in variants} for t in tunings}
+    for name, value in (("steps", steps), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "steps") + 1:
+            raise ValueError(f"`{name}` must be an int >= {(name == 'steps') + 1}, "
+                             f"got {value!r}.")
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for _ in range(repeats):
+        for t in tunings:
+            for v in variants:
+                runs.setdefault((t, v), []).append(memory.fresh_process(
+                    "benchmarks.llm_memory", dict(variant=v, tuning=t, steps=steps), _MARK,
+                    timeout))
+    out: dict[str, dict[str, Any]] = {}
+    for (t, v), results in runs.items():
+        good = sorted((r for r in results if "error" not in r), key=lambda r: r["peak_mib"])
+        chosen = good[(len(good) - 1) // 2] if good else results[0]
+        out.setdefault(t, {})[v] = dict(chosen, peak_samples=[r["peak_mib"] for r in good])
+    return out
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     """The results of :func:`run` as a Markdown table (ratios against Keras
     float32 where it was run)."""
-    lines = ["| fine-tune | variant | peak MiB | vs float32 | growth in fit MiB | "
+    lines = ["| fine-tune | variant | peak MiB (runs) | vs float32 | growth in fit MiB | "
              "state bytes / trainable param (weights, grads, moments, scales) | "
              "step s | loss |", "| --- | --- |" + " ---: |" * 6]
     for tuning, by_variant in results.items():
@@ -211,7 +228,10 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             parts = ", ".join(f"{s[k]:.3g}" for k in ("weights", "gradients", "moments",
                                                        "scales"))
             ratio = f"{r['peak_mib'] / ref:.2f}x" if ref else ""
-            lines.append(f"| {tuning} | {variant} | {r['peak_mib']:.0f} | {ratio} | "
+            samples = r.get("peak_samples", [])
+            runs = ", ".join(f"{p:.0f}" for p in samples) if len(samples) > 1 else ""
+            peak = f"{r['peak_mib']:.0f}" + (f" ({runs})" if runs else "")
+            lines.append(f"| {tuning} | {variant} | {peak} | {ratio} | "
                          f"{r['growth_mib']:.0f} | {s['total']:.3g} ({parts}) | "
                          f"{r['step_s']:.2f} | {r['loss']:.4f} |")
     return "\n".join(lines)
@@ -223,12 +243,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS[:3]))
     parser.add_argument("--tunings", default=",".join(TUNINGS))
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", default=None, help="also write every figure there")
     args = parser.parse_args(argv)
     if args.child is not None:
         print(_MARK + json.dumps(_child(json.loads(args.child))), flush=True)
         return
-    results = run(args.variants.split(","), args.tunings.split(","), args.steps)
+    results = run(args.variants.split(","), args.tunings.split(","), args.steps, args.repeats)
     print(table(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
