@@ -7,8 +7,8 @@ precision Adam holds 8 bytes of moments per float32 weight. With
 first and second moments of its ``keras.optimizers.Adam`` or ``AdamW`` (the
 exact classes, without AMSGrad, hyperparameters other than the learning rate
 numbers, no distribution strategy) in bfloat16: 4 bytes per weight, and the
-update is computed in float32 from them and written back with dithered
-rounding (:mod:`keras_mp.execution.compact_update`, installed as the
+update is computed in float32 from them, the second moment written back with
+dithered rounding (:mod:`keras_mp.execution.compact_update`, installed as the
 optimizer's ``update_step`` with :mod:`keras_mp.execution.native_update`).
 The optimizer stays the user's Keras optimizer: files, checkpoints and
 ``BackupAndRestore`` carry its slots in bfloat16, and a file with float32
@@ -125,8 +125,11 @@ def _store(opt, model: keras.Model) -> bool:
         kept = record is not None and record.get(_OVERRIDE, {}).get(name) == "float32"
         dtype = "bfloat16" if _state["enabled"] and not kept \
             and storage_vars.stored_dtype(variable) == "float32" else "float32"
-        for attr in SLOTS[type(opt)]:
-            changed |= storage_vars.store_as(getattr(opt, attr)[i], dtype)
+        slots = [getattr(opt, attr)[i] for attr in SLOTS[type(opt)]]
+        if any(slot is None for slot in slots):
+            continue  # none made (a variable overwritten with its gradient: float8 scales)
+        for slot in slots:
+            changed |= storage_vars.store_as(slot, dtype)
         if record is not None:
             record.setdefault(_RECORD, {}).setdefault(name, {})["moments"] = dtype
     return changed
