@@ -56,6 +56,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.optimizers import base_optimizer  # no public name
 
 from keras_mp import _installed
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
@@ -164,7 +165,12 @@ def _from_reference(opt, original):
         if owners is not None and name in _SLOT_NAMES:
             dtype = _decide(reference_variable, owners.get(id(reference_variable)))
             if dtype != storage_vars.stored_dtype(reference_variable):
-                reference_variable = _Reference(reference_variable, dtype)
+                # As TensorFlow's optimizer does, then Keras's own naming.
+                with opt._distribution_strategy.extended.colocate_vars_with(
+                        reference_variable.value):
+                    return base_optimizer.BaseOptimizer.add_variable_from_reference(
+                        opt, _Reference(reference_variable, dtype), name=name,
+                        initializer=initializer)
         return original(reference_variable, name=name, initializer=initializer)
     return add_variable_from_reference
 
