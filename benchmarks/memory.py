@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["FIELDS", "measure", "main"]
+__all__ = ["FIELDS", "fresh_process", "measure", "main"]
 
 FIELDS: tuple[str, ...] = ("peak_rss_mib", "allocator_peak_mib", "baseline_rss_mib")
 _MARK = "KERAS_MP_BENCH_MEMORY "
@@ -81,6 +81,35 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
             "baseline_rss_mib": baseline / 2**20}
 
 
+def fresh_process(module: str, spec: dict[str, Any], mark: str = _MARK,
+                  timeout: float = 900.0) -> dict[str, Any]:
+    """Runs ``python -m MODULE --child SPEC`` in a new process and returns the
+    JSON its last ``mark`` line printed, or ``{"error": message}`` where the
+    process failed or gave no result within ``timeout`` seconds. ``module`` is
+    a ``benchmarks.*`` name; installed as ``keras_mp.benchmarks`` it is run
+    under that name."""
+    if module.startswith("benchmarks.") and __package__ and __package__ != "benchmarks":
+        module = f"{__package__}.{module.partition('.')[2]}"
+    # ``-P``: the working folder is not put first on the child's path. Run
+    # from a source checkout, its ``keras_mp/`` (which has no ``benchmarks``)
+    # would hide the installed ``keras_mp.benchmarks``.
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if module.startswith("benchmarks."):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-P", "-m", module, "--child", json.dumps(spec)],
+            capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(mark)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+        return {"error": f"exit status {proc.returncode}: {tail}"}
+    return json.loads(lines[-1][len(mark):])
+
+
 def measure(specs: Sequence[dict[str, Any]], parallel: int = 2,
             timeout: float = 900.0, progress: Any = None) -> list[dict[str, Any]]:
     """Runs each spec (``kind``, ``size``, ``variant``, ``steps``, ``epochs``,
@@ -90,27 +119,9 @@ def measure(specs: Sequence[dict[str, Any]], parallel: int = 2,
     ``len(specs)`` calls, or None."""
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise ValueError(f"`parallel` must be an int >= 1, got {parallel!r}.")
-    module = f"{__package__}.memory" if __package__ else "benchmarks.memory"
-    # ``-P``: the working folder is not put first on the child's path. Run
-    # from a source checkout, its ``keras_mp/`` (which has no ``benchmarks``)
-    # would hide the installed ``keras_mp.benchmarks``.
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if module.startswith("benchmarks."):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
 
     def one(spec):
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-P", "-m", module, "--child", json.dumps(spec)],
-                capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            return {"error": f"no result within {timeout:.0f} s"}
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
-        if proc.returncode != 0 or not lines:
-            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
-            return {"error": f"exit status {proc.returncode}: {tail}"}
-        return json.loads(lines[-1][len(_MARK):])
+        return fresh_process("benchmarks.memory", spec, _MARK, timeout)
 
     out = []
     with ThreadPoolExecutor(parallel) as pool:

@@ -180,8 +180,14 @@ PER_INSTANCE: tuple[Change, ...] = (
     Change("native_update", "instance", ("keras:optimizers.Adam.update_step",
                                          "keras:optimizers.AdamW.update_step",
                                          "keras:optimizers.SGD.update_step"),
-           "Adam, AdamW and SGD updates run as TensorFlow's fused kernels (ResourceApplyAdam...)",
+           "Adam, AdamW and SGD updates run as TensorFlow's fused kernels (ResourceApplyAdam...); "
+           "over bfloat16 moments, in float32 (keras_mp.execution.compact_update)",
            "3.15.1", "keras_mp.execution.native_update"),
+    Change("compact_moments", "instance",
+           ("keras:optimizers.Optimizer.add_variable_from_reference",),
+           "with keras_mp.config.set_compact_moments(True), the moments an Adam or AdamW "
+           "builds for a model under an adaptive policy are made in bfloat16",
+           "3.15.1", "keras_mp.adaptive.storage.moments"),
     Change("skip_guard", "instance", ("keras:Model.train_step",),
            "a step the optimizer skips for non-finite gradients puts back what it assigned "
            "(moving statistics, metric totals), under every adaptive policy",

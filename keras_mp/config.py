@@ -7,6 +7,9 @@
 | XLA for a kind of work (``"matmul"``, ``"elementwise"``, ...) | :func:`set_xla` | measured |
 | a model's execution mode (graph, ``xla_update``, ``xla``) | :func:`set_execution` | measured |
 | adaptive fits skip steps whose gradients are not finite | :func:`set_skip_nonfinite` | on |
+| frozen weights stored in their layer's compute dtype | :func:`set_compact_storage` | on |
+| one variable kept in float32 whatever the rule | :func:`set_storage` | the rule |
+| Adam's moments in bfloat16, the update in float32 | :func:`set_compact_moments` | off |
 
 Environment variables, read when used: ``KERAS_MP_EXECUTION`` (the
 execution mode of every model: ``auto``, ``graph``, ``xla_update``, ``xla``,
@@ -31,10 +34,13 @@ from typing import Any
 
 from keras_mp.adaptive.fit import autofit
 from keras_mp.adaptive.integration import skipping
+from keras_mp.adaptive.storage import frozen, moments
 from keras_mp.device import xla
 
-__all__ = ["autofit_enabled", "min_saving", "set_autofit", "set_execution", "set_min_saving",
-           "set_skip_nonfinite", "set_xla", "skip_nonfinite", "uses_xla"]
+__all__ = ["autofit_enabled", "compact_moments", "compact_storage", "min_saving",
+           "set_autofit", "set_compact_moments", "set_compact_storage", "set_execution",
+           "set_min_saving", "set_skip_nonfinite", "set_storage", "set_xla", "skip_nonfinite",
+           "uses_xla"]
 
 
 def set_autofit(enabled: bool) -> None:
@@ -100,6 +106,77 @@ def set_skip_nonfinite(enabled: bool) -> None:
 def skip_nonfinite() -> bool:
     """Whether adaptive fits skip non-finite steps (:func:`set_skip_nonfinite`)."""
     return skipping.enabled()
+
+
+def set_compact_storage(enabled: bool) -> None:
+    """Whether ``fit`` under an adaptive policy stores the weights that do not
+    train (``trainable=False``, LoRA base kernels, frozen backbones) in their
+    layer's compute dtype, bfloat16 or float16 (on by default;
+    :mod:`keras_mp.adaptive.storage.frozen` says when and which). Off, the
+    next ``fit`` stores every variable in float32 again (the values kept).
+
+    Args:
+        enabled: True or False.
+
+    Example:
+        >>> import keras_mp
+        >>> keras_mp.config.set_compact_storage(False); keras_mp.config.compact_storage()
+        False
+        >>> keras_mp.config.set_compact_storage(True)
+    """
+    frozen.set_enabled(enabled)
+
+
+def compact_storage() -> bool:
+    """Whether frozen weights are stored compactly (:func:`set_compact_storage`)."""
+    return frozen.enabled()
+
+
+def set_compact_moments(enabled: bool) -> None:
+    """Whether ``fit`` under an adaptive policy stores the two moments of a
+    ``keras.optimizers.Adam`` or ``AdamW`` in bfloat16 and computes the
+    update in float32 from them (off by default:
+    :mod:`keras_mp.adaptive.storage.moments` says why and what it applies to).
+
+    Args:
+        enabled: True or False.
+
+    Example:
+        >>> import keras_mp
+        >>> keras_mp.config.set_compact_moments(True); keras_mp.config.compact_moments()
+        True
+        >>> keras_mp.config.set_compact_moments(False)
+    """
+    moments.set_enabled(enabled)
+
+
+def compact_moments() -> bool:
+    """Whether Adam's moments are stored in bfloat16 (:func:`set_compact_moments`)."""
+    return moments.enabled()
+
+
+def set_storage(model: Any, variable: Any, dtype: str | None) -> None:
+    """Keeps one variable of ``model`` in float32 (``"float32"``), and its
+    optimizer moments, whatever :func:`set_compact_storage`'s rule (and
+    :func:`set_compact_moments`) decides, or gives it back to the rule (None).
+    Saved with the model, applied at its next ``fit``.
+
+    Args:
+        model: a Keras model under an adaptive policy.
+        variable: a ``keras.Variable`` of one of its layers.
+        dtype: ``"float32"`` or None.
+
+    Example:
+        >>> import keras, keras_mp
+        >>> keras_mp.set_global_policy("adaptive_bfloat16")
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.trainable = False
+        >>> keras_mp.config.set_storage(model, model.layers[0].kernel, "float32")
+        >>> [m["variable"].split("/")[-1] for m in keras_mp.adaptive.storage.frozen.apply(model)]
+        ['bias']
+        >>> keras_mp.set_global_policy("float32")
+    """
+    frozen.set_override(model, variable, dtype)
 
 
 def set_xla(kind: str, enabled: bool | None) -> None:

@@ -93,9 +93,10 @@ def _clean_keras_state():
     yield
     keras.mixed_precision.set_global_policy("float32")
     # A test that makes fit adapt every model, however small, does not leak it,
-    # nor one that turns skipping off.
+    # nor one that turns skipping or compact storage off.
     autofit.set_min_saving(gain.START_UP_S)
     keras_mp.config.set_skip_nonfinite(True)
+    keras_mp.config.set_compact_storage(True)
 
 
 @pytest.fixture(autouse=True)

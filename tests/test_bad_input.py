@@ -32,10 +32,12 @@ from keras_mp.adaptive.decisions import controller, gain, scale_rule
 from keras_mp.adaptive.evidence import float8, forward, hooks, probe, stats
 from keras_mp.adaptive.record import state as precision_state, timeline
 from keras_mp.adaptive.outputs import report, tensorboard
+from keras_mp.adaptive.storage import frozen, moments, variables as storage_vars
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
-from keras_mp.execution import fused_update, native_update, optimizer_state, step_trial
+from keras_mp.execution import compact_update, fused_update, native_update, optimizer_state
+from keras_mp.execution import step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
@@ -55,11 +57,13 @@ MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain
            "adaptive.policy.controlled_layers", "adaptive.policy.float8_policy",
            "adaptive.policy.layer_paths",
            "adaptive.policy.saved_policy", "adaptive.record.state", "adaptive.record.timeline",
+           "adaptive.storage", "adaptive.storage.frozen", "adaptive.storage.moments",
+           "adaptive.storage.variables",
            "callbacks", "cli", "cli.command", "cli.demo", "cli.deploy_demo", "config", "datasets",
            "deploy", "deploy.export", "deploy.quantization", "device", "device.capabilities",
            "device.memory", "device.xla", "distribute", "execution", "execution.fused_update",
-           "execution.inference",
-           "execution.native_update", "execution.optimizer_state", "execution.reasons",
+           "execution.compact_update", "execution.inference", "execution.native_update",
+           "execution.optimizer_state", "execution.reasons",
            "execution.step_trial", "fused", "fused.fuse", "fused.layers", "fused.losses",
            "fused.metrics", "fused.ops", "fused.shared_matches", "policies", "scaling",
            "scaling.kernels", "scaling.layer_scales", "scaling.loss_scale", "scaling.optimizer",
@@ -76,7 +80,8 @@ NO_ARGUMENTS = {
     "adaptive.record.state.AttachedState",  # a base: a Keras layer's own arguments, checked by Keras
     "adaptive.fit.autofit.enabled", "adaptive.fit.autofit.install", "adaptive.evidence.float8.install",
     "adaptive.fit.autofit.min_saving", "config.autofit_enabled", "config.min_saving",
-    "config.skip_nonfinite",
+    "config.skip_nonfinite", "config.compact_storage", "adaptive.storage.frozen.enabled",
+    "config.compact_moments", "adaptive.storage.moments.enabled",
     # what fit was given, read as Keras reads it: None where it says nothing
     "adaptive.decisions.gain.fit_steps",
     "adaptive.policy.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
@@ -173,6 +178,55 @@ CASES = [
      "`enabled`"),
     ("adaptive.integration.optimizer_setup.connect",
      lambda: optimizer_setup.connect(_model(), None), ValueError, "compiled model"),
+    ("config.set_compact_storage", lambda: keras_mp.config.set_compact_storage("yes"),
+     TypeError, "`enabled`"),
+    ("config.set_storage", lambda: keras_mp.config.set_storage(_adaptive_model(), None, "bf16"),
+     ValueError, "`dtype`"),
+    ("config.set_storage", lambda: keras_mp.config.set_storage(_adaptive_model(), "kernel",
+                                                               "float32"), TypeError, "`variable`"),
+    ("config.set_storage", lambda: keras_mp.config.set_storage(
+        _model(), _model().layers[0].kernel, "float32"), ValueError, "`model`"),
+    ("config.set_storage", lambda: keras_mp.config.set_storage(
+        _adaptive_model(), keras.Variable(1.0), "float32"), ValueError, "`variable`"),
+    ("adaptive.storage.frozen.set_enabled", lambda: frozen.set_enabled(1), TypeError,
+     "`enabled`"),
+    ("adaptive.storage.frozen.set_override", lambda: frozen.set_override("m", None, None),
+     TypeError, "`variable`"),
+    ("adaptive.storage.frozen.apply", lambda: frozen.apply("model"), TypeError, "`model`"),
+    ("adaptive.storage.frozen.apply", lambda: frozen.apply(_model()), ValueError, "`model`"),
+    ("adaptive.storage.frozen.frozen_variables", lambda: frozen.frozen_variables(3), TypeError,
+     "`model`"),
+    ("adaptive.storage.frozen.cast_error", lambda: frozen.cast_error(np.ones(2), "int8"),
+     ValueError, "`dtype`"),
+    ("adaptive.storage.frozen.decide", lambda: frozen.decide(
+        trains=False, compute_dtype="bfloat16", read_in_compute=True, overridden=False,
+        error="small"), TypeError, "`error`"),
+    ("adaptive.storage.frozen.read_in_compute_dtype",
+     lambda: frozen.read_in_compute_dtype("dense", keras.Variable(1.0)), TypeError, "`layer`"),
+    ("adaptive.storage.variables.store_as", lambda: storage_vars.store_as(
+        keras.Variable(np.ones(2, "float32")), "int8"), ValueError, "`dtype`"),
+    ("adaptive.storage.variables.store_as", lambda: storage_vars.store_as(
+        keras.Variable(np.ones(2, "int32")), "float16"), TypeError, "`variable`"),
+    ("adaptive.storage.variables.stored_dtype", lambda: storage_vars.stored_dtype(np.ones(2)),
+     TypeError, "`variable`"),
+    ("adaptive.storage.variables.nbytes", lambda: storage_vars.nbytes("v"), TypeError,
+     "`variable`"),
+    ("config.set_compact_moments", lambda: keras_mp.config.set_compact_moments(None),
+     TypeError, "`enabled`"),
+    ("adaptive.storage.moments.set_enabled", lambda: moments.set_enabled("on"), TypeError,
+     "`enabled`"),
+    ("adaptive.storage.moments.unsupported_reason", lambda: moments.unsupported_reason("adam"),
+     TypeError, "`optimizer`"),
+    ("adaptive.storage.moments.apply", lambda: moments.apply("model"), TypeError, "`model`"),
+    ("adaptive.storage.moments.apply", lambda: moments.apply(_model()), ValueError, "`model`"),
+    ("execution.compact_update.applies", lambda: compact_update.applies("adam", None), TypeError,
+     "`optimizer`"),
+    ("execution.compact_update.adam", lambda: compact_update.adam(None, None, None, 1e-3),
+     TypeError, "`optimizer`"),
+    ("execution.compact_update.dither", lambda: compact_update.dither((2,), 0, 0, -1),
+     ValueError, "`salt`"),
+    ("execution.compact_update.dithered", lambda: compact_update.dithered(np.ones(2), None),
+     TypeError, "`value`"),
     ("config.set_xla", lambda: keras_mp.config.set_xla("conv", True), ValueError, "`kind`"),
     ("config.uses_xla", lambda: keras_mp.config.uses_xla("conv"), ValueError, "`kind`"),
     ("config.set_execution", lambda: keras_mp.config.set_execution("model"), TypeError,

@@ -21,7 +21,9 @@ an exact ``keras.optimizers.Adam``, ``AdamW`` (its weight decay is applied
 before ``update_step``, as in Keras) or ``SGD``, a dense float32 gradient for
 a float32 variable, no distribution strategy. Anything else (a subclass, a
 sparse gradient, a 16-bit variable, a strategy) runs Keras's own
-``update_step``. The variables are the same, so checkpoints, ``.keras``
+``update_step``; Adam's and AdamW's moments stored in bfloat16 run
+:mod:`keras_mp.execution.compact_update` (float32 math, dithered rounding).
+The variables are the same, so checkpoints, ``.keras``
 files and ``model.export`` see nothing new. SGD agrees with Keras to float32
 rounding; Adam's kernel takes ``1 - beta`` in float32 from float32 ``beta``
 (for 0.999: 0.99998713e-3 where Keras rounds 1e-3), a relative 1.3e-5 on
@@ -62,7 +64,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp import _installed
-from keras_mp.execution import optimizer_state
+from keras_mp.execution import compact_update, optimizer_state
 
 __all__ = ["OPTIMIZERS", "install", "is_installed", "unsupported_reason"]
 
@@ -158,6 +160,8 @@ def _wrap(opt, kernel: Callable[..., bool], original: Callable[..., Any]) -> Cal
     """``opt``'s ``update_step``: ``kernel`` where it applies, else ``original``."""
 
     def update_step(gradient, variable, learning_rate):
+        if compact_update.adam(opt, gradient, variable, learning_rate):
+            return None   # bfloat16 moments (keras_mp.adaptive.storage.moments)
         if (isinstance(gradient, tf.Tensor) and gradient.dtype == tf.float32
                 and not tf.distribute.has_strategy()
                 and kernel(opt, gradient, variable, learning_rate)):

@@ -70,6 +70,7 @@ from keras_mp import _installed
 from keras_mp.adaptive.decisions import gain
 from keras_mp.adaptive.integration import optimizer_setup, skipping, step_functions, switching
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.storage import frozen, moments
 from keras_mp.scaling import skips
 
 __all__ = ["callback_of", "enabled", "install", "min_saving", "set_enabled", "set_min_saving"]
@@ -156,14 +157,35 @@ def _guarded(model: keras.Model, policy, callbacks, given: list, by_hand):
     return _added(callbacks, given, skipping.SkipReport())
 
 
-def _with_adaptive(model: keras.Model, callbacks, fit_arguments: dict):
+def _stored(model: keras.Model, layers, restore_only: bool) -> None:
+    """Each weight stored as :mod:`keras_mp.adaptive.storage.frozen` decides,
+    and, first (before anything of the fit builds the optimizer), its
+    moments as :mod:`~keras_mp.adaptive.storage.moments` does; functions
+    traced with a variable stored anew are traced again."""
+    changed = frozen.apply(model, layers, restore_only=restore_only)
+    if restore_only and moments.apply(model):
+        changed = True
+    if changed:
+        model.train_function = model.test_function = model.predict_function = None
 
-    given = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) \
-        else list(callbacks or [])
+
+def _with_adaptive(model: keras.Model, callbacks, fit_arguments: dict):
     policy = policy_of(model)
     layers = adaptive_layers(model, policy) if policy is not None else []
     if not layers:
         return callbacks  # nothing to adapt (every layer quantized, say): Keras's fit
+    # Weights that train again are float32 before Keras builds the optimizer;
+    # the frozen ones are stored once the layers' dtypes for this fit are set.
+    _stored(model, layers, restore_only=True)
+    callbacks = _adapting(model, policy, layers, callbacks, fit_arguments)
+    _stored(model, layers, restore_only=False)
+    return callbacks
+
+
+def _adapting(model: keras.Model, policy, layers, callbacks, fit_arguments: dict):
+    """The callbacks of an adaptive model's fit (see the module's docstring)."""
+    given = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) \
+        else list(callbacks or [])
     # Imported when a fit needs it: no AdaptivePrecision exists before its module is.
     module = sys.modules.get("keras_mp.adaptive.fit.callback")
     by_hand = next((cb for cb in given if module is not None

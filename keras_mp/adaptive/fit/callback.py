@@ -7,14 +7,17 @@ What the callback does, and when:
   the model's :class:`keras_mp.AdaptivePolicy` and its controlled layers
   (:func:`keras_mp.policies.adaptive_layers`: every layer, with or without weights), those an
   earlier fit too small to gain put in float32 back in their narrowest dtype
-  (:func:`~keras_mp.adaptive.integration.switching.release`). With float32 the only candidate it
-  does nothing else (no wrapper, hook or statistics). Otherwise it installs the model's
+  (:func:`~keras_mp.adaptive.integration.switching.release`), frozen weights stored in that
+  dtype (:mod:`~keras_mp.adaptive.storage.frozen`). With float32 the only candidate it does
+  nothing else (no wrapper, hook or statistics). Otherwise it installs the model's
   :class:`~keras_mp.adaptive.evidence.hooks.Hooks` (forward statistics, the probe), attaches a
-  :class:`~keras_mp.adaptive.evidence.stats.LayerStatistics`, and connects the gradients: when
-  float16 is a candidate (or ``loss_scale`` is given) the optimizer is wrapped in a
-  :class:`keras_mp.LossScaleOptimizer` whose ``statistics_sink`` is the statistics (Keras's own
-  auto-wrap fires only for the policy name ``"mixed_float16"``); bfloat16 needs no loss scale,
-  so there the optimizer stays as compiled and only its ``apply`` is observed.
+  :class:`~keras_mp.adaptive.evidence.stats.LayerStatistics`, and connects the gradients
+  (:func:`~keras_mp.adaptive.integration.optimizer_setup.connect`): the optimizer is wrapped in
+  a :class:`keras_mp.LossScaleOptimizer` whose ``statistics_sink`` is the statistics, with a
+  dynamic loss scale when float16 is a candidate (or ``loss_scale`` is given; Keras's own
+  auto-wrap fires only for the policy name ``"mixed_float16"``), ``FixedLossScale(1.0)``
+  elsewhere: bfloat16 needs no loss scale, only the skip of non-finite steps
+  (:mod:`~keras_mp.adaptive.integration.skipping`).
 * per train-function call, it picks a step: plain, statistics (gradient and forward statistics,
   one in ``statistics_every``) or probe (statistics plus the float32 probe, one in
   ``probe_every``). Plain and statistics steps share one trace whose statistics run only when a
@@ -24,7 +27,7 @@ What the callback does, and when:
 * after ``first_decision`` calls (early judgement), then every ``interval`` calls: reads the
   statistics once, asks :func:`~keras_mp.adaptive.decisions.controller.decide`, assigns the new
   dtypes in the policy and rebuilds the train functions only if a dtype (or a trial) changed.
-  Optimizer variables are untouched (variables stay float32).
+  No variable is stored anew inside a fit.
 * every epoch end: a callback passed to ``fit`` adds ``precision_switches`` and
   ``precision_narrow_layers`` to the logs (``History``); the one ``fit`` adds by itself
   (``history_logs=False``) leaves ``History`` as Keras's (Keras's ``model_test.py`` compares its
@@ -73,6 +76,7 @@ from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.record import timeline
 from keras_mp.adaptive.record.state import PrecisionState, attached
+from keras_mp.adaptive.storage import frozen
 from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
@@ -110,9 +114,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
         first_decision: an int >= 1: a ``fit`` from scratch decides first after this many
             calls or the first epoch if shorter, when before ``interval`` and the fit's
             last call (``step_functions.first_call``); None: at ``interval``.
-        log_dir: a directory for TensorBoard scalars (per layer: compute
-            bits and key statistics; the loss scale; probe errors; switches),
-            or None.
+        log_dir: a directory for TensorBoard scalars (per layer: compute bits and key
+            statistics; the loss scale; probe errors; switches), or None.
         verbose: 1 prints every switch.
         history_logs: True: ``precision_switches`` and ``precision_narrow_layers`` join
             the epoch's logs (``History``); False: they stay Keras's (the callback
@@ -207,8 +210,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._layers = layers
         self._paths = tuple(layer.path for layer in layers)
         made = switching.release(policy, self._paths, layers, policy.calls)  # a fit's no_gain
-        if made:
-            self.events += made
+        self.events += made
+        if made or frozen.apply(model, layers):  # frozen weights in their layers' dtypes
             model.train_function = model.test_function = model.predict_function = None
         # Nothing to adapt: nothing runs (the step is plain Keras float32).
         self._inert = len(policy.candidates) == 1

@@ -27,6 +27,7 @@ import keras
 
 from keras_mp.adaptive.integration import rescue, skipping
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.storage import variables as storage_vars
 
 __all__ = ["COLUMNS", "PrecisionReport", "dtype_switches", "precision_report", "switch_text"]
 
@@ -151,7 +152,9 @@ class PrecisionReport:
             a small fit's ``no_gain`` and the ``gain`` that undoes it, which
             are not evidence of a layer going back and forth), ``rules`` (the rules of
             :mod:`keras_mp.adaptive.integration.rescue` applied to it, such as
-            ``"integer_input"``).
+            ``"integer_input"``), ``storage`` (variable name -> ``dtype`` it is
+            stored in now, and the last decision's ``reason`` and ``error``,
+            :mod:`keras_mp.adaptive.storage.frozen`; None where none was made).
         metrics_in_float32: the compiled metrics that get float32 predictions
             (the ``float32_metric`` rule of :mod:`keras_mp.adaptive.integration.rescue`).
         skipped_steps: steps whose gradients were not finite and that changed
@@ -173,6 +176,21 @@ class PrecisionReport:
                 "layers": [dict(r) for r in self.rows],
                 "metrics_in_float32": list(self.metrics_in_float32),
                 "skipped_steps": self.skipped_steps, "bad_data_steps": self.bad_data_steps}
+
+    def storage(self) -> dict[str, dict[str, Any]]:
+        """``"layer/variable"`` -> its storage (``dtype``, ``reason``,
+        ``error``), for every variable a storage decision was made for."""
+        return {f"{r['layer']}/{name}": dict(entry) for r in self.rows
+                for name, entry in (r.get("storage") or {}).items()}
+
+    def _storage_line(self) -> str | None:
+        compact = {k: e for k, e in self.storage().items() if e["dtype"] != "float32"}
+        if not compact:
+            return None
+        dtypes = sorted({e["dtype"] for e in compact.values()})
+        return (f"frozen weights stored in {', '.join(dtypes)} (frozen): {len(compact)} "
+                f"variables, {sum(e['bytes'] for e in compact.values()) / 2**20:.1f} MiB "
+                "(half their float32 size)")
 
     def dtypes(self) -> dict[str, str]:
         """Layer path -> adaptive dtype (``"float8"`` or the compute dtype)."""
@@ -202,6 +220,8 @@ class PrecisionReport:
                        for key, _, kind, _ in columns),
                      str(r["switches"]), history]
             lines.append("| " + " | ".join(cells) + " |")
+        if self._storage_line():
+            lines.append(self._storage_line())
         if self.metrics_in_float32:
             lines.append("metrics given float32 predictions (float32_metric): "
                          + ", ".join(self.metrics_in_float32))
@@ -235,6 +255,18 @@ def _computing_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
         seen.add(id(layer))
         out.append(layer)
     return out
+
+
+def _storage(layer: keras.layers.Layer, record: dict[str, Any]) -> dict[str, Any] | None:
+    """Each variable a storage decision was made for: the dtype it is in now
+    and its bytes, with the decision's reason and error."""
+    decided = record.get("storage")
+    if not decided:
+        return None
+    own = {v.name: v for v in layer._trainable_variables + layer._non_trainable_variables}
+    return {name: {**entry, "dtype": storage_vars.stored_dtype(own[name]),
+                   "bytes": storage_vars.nbytes(own[name])}
+            for name, entry in decided.items() if name in own}
 
 
 def precision_report(model: keras.Model) -> PrecisionReport:
@@ -278,6 +310,7 @@ def precision_report(model: keras.Model) -> PrecisionReport:
             "switches": dtype_switches(record.get("history", [])),
             "history": [dict(h) for h in record.get("history", [])],
             "rules": list(record.get("rules", [])),
+            "storage": _storage(layer, record),
         })
     name = policy.name if policy is not None else keras.config.dtype_policy().name
     metrics = tuple(rescue.float32_metrics(model)) if isinstance(model, keras.Model) else ()

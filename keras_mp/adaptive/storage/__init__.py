@@ -1,1 +1,26 @@
-"""How each variable is stored (weights, gradients, optimizer state), from the same evidence."""
+"""How each variable is stored, decided per variable (issue 47).
+
+* :mod:`~keras_mp.adaptive.storage.variables`: the mechanism. A Keras
+  variable stored in another dtype keeps its identity (its layer, the
+  optimizer's index, files and checkpoints hold the Keras object); the
+  TensorFlow variable inside is made anew;
+* :mod:`~keras_mp.adaptive.storage.frozen`: weights that do not train are
+  stored in their layer's compute dtype (on by default,
+  :func:`keras_mp.config.set_compact_storage`), decided at the start of each
+  ``fit``;
+* :mod:`~keras_mp.adaptive.storage.moments`: Adam's and AdamW's moments in
+  bfloat16, the update in float32 (off by default,
+  :func:`keras_mp.config.set_compact_moments`).
+
+Not stored compactly (yet): master weights that train (float32), gradients
+(the variable's dtype), other optimizers' state.
+
+Example:
+    >>> from keras_mp.adaptive import storage
+    >>> storage.frozen.UNIT_ROUNDOFF["bfloat16"] == 2 ** -8
+    True
+"""
+
+from keras_mp.adaptive.storage import frozen, moments, variables
+
+__all__ = ["frozen", "moments", "variables"]

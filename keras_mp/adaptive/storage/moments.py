@@ -1,0 +1,206 @@
+"""Adam's and AdamW's moments stored in bfloat16, the update in float32.
+
+Keras's optimizers make each slot in its variable's dtype, so under mixed
+precision Adam holds 8 bytes of moments per float32 weight. With
+:func:`set_enabled` (documented as :func:`keras_mp.config.set_compact_moments`;
+**off by default**), ``fit`` of a model under an adaptive policy stores the
+first and second moments of its ``keras.optimizers.Adam`` or ``AdamW`` (the
+exact classes, without AMSGrad, hyperparameters other than the learning rate
+numbers, no distribution strategy) in bfloat16: 4 bytes per weight, and the
+update is computed in float32 from them, the second moment written back with
+dithered rounding (:mod:`keras_mp.execution.compact_update`, installed as the
+optimizer's ``update_step`` with :mod:`keras_mp.execution.native_update`).
+The optimizer stays the user's Keras optimizer: files, checkpoints and
+``BackupAndRestore`` carry its slots in bfloat16, and a file with float32
+slots loads into it (and the reverse) with the values cast.
+
+When: at the start of each ``fit``, as :mod:`~keras_mp.adaptive.storage.frozen`
+decides the frozen weights: the optimizer's ``add_variable_from_reference``
+is wrapped (per instance), so the moments its ``build`` makes later in that
+fit are made in bfloat16 (never in float32 first: a float32 slot freed into
+TensorFlow's CPU allocator stays in the process, and converting them after
+the build saved 16 of the 380 MiB on the Llama of
+``benchmarks/llm_memory.py``); an optimizer already built has its slots
+stored anew (the values cast), and the switch turned off puts them back in
+float32 at the next ``fit``. Per variable:
+compact unless :func:`keras_mp.config.set_storage` keeps that variable in
+float32 (then its moments stay float32 too) or the variable is not float32.
+Each decision is in the layer's record (``"storage"``, the variable's
+``moments``).
+
+Why off by default: the issue asks for a per-variable statistic (the probe
+comparing the update from compact moments with the float32 one) before
+compact moments are the default; it is not built. The evidence measured
+instead is in docs/benchmarks.md ("LLM memory").
+
+Example:
+    >>> import keras, numpy as np, keras_mp
+    >>> from keras_mp.adaptive.storage import moments
+    >>> keras_mp.set_global_policy("adaptive_bfloat16")
+    >>> keras_mp.config.set_min_saving(0)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
+    >>> keras_mp.config.set_compact_moments(True)
+    >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+    >>> sorted({str(v.dtype) for v in model.optimizer.inner_optimizer._momentums})
+    ['bfloat16']
+    >>> keras_mp.config.set_compact_moments(False)
+    >>> keras_mp.config.set_min_saving(0.5)
+    >>> keras_mp.set_global_policy("float32")
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.optimizers import base_optimizer  # no public name
+
+from keras_mp import _installed
+from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.storage import variables as storage_vars
+from keras_mp.execution import native_update, optimizer_state
+
+__all__ = ["SLOTS", "apply", "enabled", "set_enabled", "unsupported_reason"]
+
+#: The optimizer classes whose moments can be compact, and their slot lists.
+SLOTS: dict[type, tuple[str, ...]] = {keras.optimizers.Adam: ("_momentums", "_velocities"),
+                                      keras.optimizers.AdamW: ("_momentums", "_velocities")}
+_RECORD, _OVERRIDE = "storage", "storage_override"
+_SLOT_NAMES = ("momentum", "velocity")
+_HELD = "moment_owners"  # in the optimizer's keras_mp._installed holder
+_state = {"enabled": False}
+
+
+def enabled() -> bool:
+    """Whether Adam's moments are stored in bfloat16 (off by default)."""
+    return _state["enabled"]
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turns compact moments on or off (documented as
+    :func:`keras_mp.config.set_compact_moments`); applied at the next ``fit``.
+
+    Args:
+        enabled: True or False.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"`enabled` must be True or False, got {enabled!r}.")
+    _state["enabled"] = enabled
+
+
+def unsupported_reason(optimizer: Any) -> str | None:
+    """Why ``optimizer``'s moments stay in their variables' dtype (None when
+    they can be compact).
+
+    Example:
+        >>> import keras
+        >>> unsupported_reason(keras.optimizers.Adam()) is None
+        True
+        >>> unsupported_reason(keras.optimizers.Adam(amsgrad=True))
+        'AMSGrad keeps a third moment: not stored compactly'
+    """
+    opt = optimizer_state.inner(optimizer)
+    if type(opt) not in SLOTS:
+        names = ", ".join(cls.__name__ for cls in SLOTS)
+        return f"{type(opt).__name__}'s moments are not stored compactly (only {names}'s)"
+    if opt.amsgrad:
+        return "AMSGrad keeps a third moment: not stored compactly"
+    strategy = getattr(opt, "_distribution_strategy", None)
+    if tf.distribute.has_strategy() or (strategy is not None
+                                        and strategy is not tf.distribute.get_strategy()):
+        return "a distribution strategy: moments stay float32"
+    return native_update.unsupported_reason(opt)
+
+
+def _owners(model: keras.Model) -> dict[int, tuple[Any, str]]:
+    """id(variable) -> (record, variable name) for the controlled layers' weights."""
+    policy = policy_of(model)
+    return {id(v): (policy.record(layer.path), v.name)
+            for layer in adaptive_layers(model, policy) for v in layer._trainable_variables}
+
+
+def _decide(variable: Any, owner: tuple[Any, str] | None) -> str:
+    """The dtype of ``variable``'s moments, recorded in its layer's record."""
+    record, name = owner or (None, None)
+    kept = record is not None and record.get(_OVERRIDE, {}).get(name) == "float32"
+    dtype = "bfloat16" if _state["enabled"] and not kept \
+        and storage_vars.stored_dtype(variable) == "float32" else "float32"
+    if record is not None:
+        record.setdefault(_RECORD, {}).setdefault(name, {})["moments"] = dtype
+    return dtype
+
+
+def _store(opt, owners: dict[int, tuple[Any, str]]) -> bool:
+    """Stores a built ``opt``'s slots as decided; returns whether a slot was
+    stored anew."""
+    changed = False
+    for i, variable in enumerate(opt._trainable_variables):
+        slots = [getattr(opt, attr)[i] for attr in SLOTS[type(opt)]]
+        if any(slot is None for slot in slots):
+            continue  # none made (a variable overwritten with its gradient: float8 scales)
+        dtype = _decide(variable, owners.get(id(variable)))
+        for slot in slots:
+            changed |= storage_vars.store_as(slot, dtype)
+    return changed
+
+
+class _Reference:
+    """What Keras's ``add_variable_from_reference`` reads of a variable
+    (``path``, ``name``, ``shape``, ``_layout``), with the slot's dtype."""
+
+    def __init__(self, variable: Any, dtype: str):
+        self.path, self.name, self.shape = variable.path, variable.name, variable.shape
+        self._layout, self.dtype = getattr(variable, "_layout", None), dtype
+
+
+def _from_reference(opt, original):
+    # Keras makes each slot in its variable's dtype: a moment decided compact
+    # is made in bfloat16, never in float32 first (a float32 slot freed into
+    # TensorFlow's allocator would stay in the process's memory).
+    def add_variable_from_reference(reference_variable, name=None, initializer="zeros"):
+        owners = getattr(_installed.installed(opt), _HELD, None)
+        if owners is not None and name in _SLOT_NAMES:
+            dtype = _decide(reference_variable, owners.get(id(reference_variable)))
+            if dtype != storage_vars.stored_dtype(reference_variable):
+                # As TensorFlow's optimizer does, then Keras's own naming.
+                with opt._distribution_strategy.extended.colocate_vars_with(
+                        reference_variable.value):
+                    return base_optimizer.BaseOptimizer.add_variable_from_reference(
+                        opt, _Reference(reference_variable, dtype), name=name,
+                        initializer=initializer)
+        return original(reference_variable, name=name, initializer=initializer)
+    return add_variable_from_reference
+
+
+def apply(model: Any) -> bool:
+    """Stores ``model``'s optimizer moments as decided (see the module's
+    docstring), now if it is built and from its ``build`` on; returns whether
+    a slot was stored anew (functions traced before must be traced again).
+
+    Args:
+        model: a compiled Keras model under an adaptive policy.
+
+    Raises:
+        TypeError: ``model`` is not a Keras model.
+        ValueError: it is not under an adaptive policy.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
+                        f"{type(model).__name__}.")
+    if policy_of(model) is None:
+        raise ValueError("`model` does not use a keras_mp.AdaptivePolicy: only adaptive "
+                         "models store moments compactly.")
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or unsupported_reason(optimizer) is not None:
+        return False
+    opt = optimizer_state.inner(optimizer)
+    owners = _owners(model)
+    setattr(_installed.installed(opt), _HELD, owners)   # read by the slots' maker
+    if _state["enabled"]:
+        native_update.install(opt)   # the update over compact moments
+        _installed.install_method(opt, "add_variable_from_reference",
+                                  functools.partial(_from_reference, opt))
+    return _store(opt, owners) if opt.built else False
