@@ -9,15 +9,12 @@ What the callback does, and when:
   earlier fit too small to gain put in float32 back in their narrowest dtype
   (:func:`~keras_mp.adaptive.integration.switching.release`), frozen weights stored in that
   dtype (:mod:`~keras_mp.adaptive.storage.frozen`). With float32 the only candidate it does
-  nothing else (no wrapper, hook or statistics). Otherwise it installs the model's
+  nothing else. Otherwise it installs the model's
   :class:`~keras_mp.adaptive.evidence.hooks.Hooks` (forward statistics, the probe), attaches a
-  :class:`~keras_mp.adaptive.evidence.stats.LayerStatistics`, and connects the gradients
-  (:func:`~keras_mp.adaptive.integration.optimizer_setup.connect`): the optimizer is wrapped in
-  a :class:`keras_mp.LossScaleOptimizer` whose ``statistics_sink`` is the statistics, with a
-  dynamic loss scale when float16 is a candidate (or ``loss_scale`` is given; Keras's own
-  auto-wrap fires only for the policy name ``"mixed_float16"``), ``FixedLossScale(1.0)``
-  elsewhere: bfloat16 needs no loss scale, only the skip of non-finite steps
-  (:mod:`~keras_mp.adaptive.integration.skipping`).
+  :class:`~keras_mp.adaptive.evidence.stats.LayerStatistics` and wraps the optimizer in a :class:`keras_mp.LossScaleOptimizer` whose ``statistics_sink`` is
+  the statistics (:func:`~keras_mp.adaptive.integration.optimizer_setup.connect`): a dynamic loss
+  scale where float16 is a candidate or ``loss_scale`` is given, ``FixedLossScale(1.0)``
+  elsewhere, only to skip non-finite steps (:mod:`~keras_mp.adaptive.integration.skipping`).
 * per train-function call, it picks a step: plain, statistics (gradient and forward statistics,
   one in ``statistics_every``) or probe (statistics plus the float32 probe, one in
   ``probe_every``). Plain and statistics steps share one trace whose statistics run only when a
