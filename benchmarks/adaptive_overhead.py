@@ -68,7 +68,8 @@ def _interleaved(variants, calls: int, rounds: int) -> dict[str, dict[str, float
     for name in variants:
         c, w = statistics.median(cpu[name]), statistics.median(wall[name])
         out[name] = {"cpu_ms": 1e3 * c, "cpu_spread": (max(cpu[name]) - min(cpu[name])) / c,
-                     "wall_ms": 1e3 * w, "wall_spread": (max(wall[name]) - min(wall[name])) / w}
+                     "wall_ms": 1e3 * w, "wall_spread": (max(wall[name]) - min(wall[name])) / w,
+                     "cpu_rounds": cpu[name], "wall_rounds": wall[name]}
     return out
 
 

@@ -268,14 +268,11 @@ def nonfinite_by_sums(grads: Sequence) -> tf.Tensor:
         [True, False, False]
     """
     grads = _grad_list(grads)
-    flags = []
-    for g in grads:
-        if g is None:
-            flags.append(tf.constant(False))
-            continue
-        values = g.values if isinstance(g, tf.IndexedSlices) else g
-        flags.append(tf.logical_not(tf.math.is_finite(tf.reduce_sum(tf.cast(values, tf.float32)))))
-    return tf.stack(flags) if flags else tf.zeros([0], tf.bool)
+    if not grads:
+        return tf.zeros([0], tf.bool)
+    sums = [tf.constant(0.0) if g is None else tf.reduce_sum(tf.cast(
+        g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)) for g in grads]
+    return tf.logical_not(tf.math.is_finite(tf.stack(sums)))  # one check for all the sums
 
 
 def nonfinite_mask(grads: Sequence, scale) -> tf.Tensor:

@@ -265,6 +265,8 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
         """Multiplies ``loss`` by the current loss scale (cast to its dtype)."""
         loss = ops.convert_to_tensor(loss)
         self._scaled_loss.scaled()
+        if self.built and self._unit_scale():
+            return loss  # times 1: no op in the step
         return ops.multiply(loss, ops.cast(self.loss_scale, loss.dtype))
 
     # -- the step ---------------------------------------------------------
@@ -294,14 +296,15 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
         if len(grads) != len(tvars):
             raise ValueError(f"Got {len(grads)} gradients for {len(tvars)} variables.")
 
-        scale = self._scaled_loss.scale_to_undo(self.loss_scale, self.check_scaled_loss)
+        unit = self._unit_scale()
+        scale = self._scaled_loss.scale_to_undo(
+            tf.constant(1.0) if unit else self.loss_scale, self.check_scaled_loss)
         factors = None
         if self.layer_scales:
             factors, _ = self._variable_factors(tvars)
         total = scale if factors is None else scale * factors  # per gradient
         guard = self.step_guard
         bad = getattr(guard, "bad_data", None)
-        unit = self._unit_scale()
 
         def unscale_and_check():  # a scale of exactly 1: no unscaling, one sum per gradient
             if unit:
@@ -330,16 +333,21 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
         # are never loss-scaled.
         unscaled = [g if g is not None and self._overwrite_variable_with_gradient(v) else u
                     for g, u, v in zip(grads, unscaled, tvars)]
-        nonfinite = ops.cast(nonfinite, "int32")
-        if bad is not None:  # agreed with the flags, in the same all-reduce
-            nonfinite = ops.concatenate([nonfinite, ops.reshape(ops.cast(bad, "int32"), [1])])
         ctx = tf.distribute.get_replica_context()
         if tf.distribute.has_strategy() and ctx.num_replicas_in_sync > 1:
+            nonfinite = ops.cast(nonfinite, "int32")
+            if bad is not None:  # agreed with the flags, in the same all-reduce
+                nonfinite = ops.concatenate([nonfinite,
+                                             ops.reshape(ops.cast(bad, "int32"), [1])])
             # Agree before deciding: a NaN on one replica skips the step everywhere.
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
-        if bad is not None:
-            nonfinite, bad = nonfinite[:-1], ops.greater(nonfinite[-1], 0)
-        finite = ops.equal(ops.sum(nonfinite), 0)
+            if bad is not None:
+                nonfinite, bad = nonfinite[:-1], ops.greater(nonfinite[-1], 0)
+            finite = ops.equal(ops.sum(nonfinite), 0)
+        else:
+            finite = ops.logical_not(ops.any(nonfinite))
+            if self.layer_scales or self.max_consecutive_skips is not None:
+                nonfinite = ops.cast(nonfinite, "int32")  # what they read (> 0)
         if guard is not None:
             # A skip while a dynamic scale is above its floor is the scaler's
             # routine (it backs off and goes on); the guard counts the others.
@@ -405,6 +413,8 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
                 f"{type(self.schedule).__name__}.update returned state keys "
                 f"{sorted(new_state)}, expected {sorted(state)}.")
         for key, value in new_state.items():
+            if value is state[key]:
+                continue  # unchanged (a fixed scale): nothing to write
             var = self._state_variables[key]
             value = ops.cast(value, var.dtype)
             var.assign(value if bad is None else ops.where(bad, state[key], value))

@@ -183,13 +183,13 @@ class _Guard:
         """Counts one step; a routine skip of a dynamic loss scale (``routine``,
         not on bad data) counts as a step, not as a skip."""
         c = self.counts.read_value()
-        step = c[0] + 1
-        expected = _routine(routine, bad)
-        skipped = tf.cast(tf.logical_not(finite) & tf.logical_not(expected), tf.int64)
+        skipped = tf.cast(tf.logical_not(finite) & tf.logical_not(_routine(routine, bad)),
+                          tf.int64)
         bad = tf.zeros([], tf.int64) if bad is None else tf.cast(bad, tf.int64) * skipped
-        first = tf.where((skipped > 0) & (c[3] == 0), step, c[3])
-        self.counts.assign(tf.stack([step, c[1] + skipped, c[2] + bad, first, c[4] + skipped,
-                                     c[5] + bad]))
+        # The first skipped step: this one (c[0] + 1) where none was before.
+        first = tf.where(c[3] == 0, c[0] + 1, 0) * skipped
+        self.counts.assign_add(tf.stack([tf.ones([], tf.int64), skipped, bad, first, skipped,
+                                         bad]))
 
     def epoch(self) -> tuple[int, int, int, int]:
         """This epoch's steps, skipped steps, bad-data steps, first skipped step."""
@@ -231,11 +231,13 @@ def _guarded(model: keras.Model, guard: _Guard):
                     holder.step_guard = None
             if not step.verdicts:
                 return logs  # nothing applied through keras-mp's optimizer
-            finite = tf.reduce_all(tf.stack([f for f, _, _ in step.verdicts]))
-            bads = [b for _, b, _ in step.verdicts if b is not None]
-            routines = [r for _, _, r in step.verdicts if r is not None]
-            routine = tf.reduce_all(tf.stack(routines)) if routines else None
-            bad = tf.reduce_any(tf.stack(bads)) if bads else None
+            def all_of(flags, reduce):  # one apply (the usual): its flag as it is
+                return None if not flags else flags[0] if len(flags) == 1 else \
+                    reduce(tf.stack(flags))
+
+            finite = all_of([f for f, _, _ in step.verdicts], tf.reduce_all)
+            bad = all_of([b for _, b, _ in step.verdicts if b is not None], tf.reduce_any)
+            routine = all_of([r for _, _, r in step.verdicts if r is not None], tf.reduce_all)
             with tf.control_dependencies([t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]):
                 # A routine skip keeps what the forward pass and the metrics
                 # recorded (its values are finite), as Keras's mixed_float16 does.
