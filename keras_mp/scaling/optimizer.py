@@ -20,11 +20,9 @@ stay, the scale backs off), so an update is always k finite micro-batches.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras import initializers, ops
 from keras.saving import deserialize_keras_object, serialize_keras_object
@@ -37,6 +35,7 @@ from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp.scaling import skips
 from keras_mp.scaling.keras_names import (DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE,
                                            KerasNamesMixin, growth_steps_of, legacy_schedule)
+from keras_mp.scaling.saved_state import SavedStateMixin
 from keras_mp.scaling.scaled_loss import ScaledLossCheck
 
 __all__ = ["LossScaleOptimizer"]
@@ -51,7 +50,8 @@ def _in_xla_context() -> bool:
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
-class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _KerasLSO):
+class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, SavedStateMixin,
+                         _KerasLSO):
     """Loss scaling with configurable schedules; a drop-in for
     ``keras.optimizers.LossScaleOptimizer`` (and an instance of it, so Keras's
     ``compile`` does not wrap it again).
@@ -435,48 +435,6 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, _Ke
                     self.max_consecutive_skips, self.loss_scale)
 
     # -- serialization ----------------------------------------------------
-
-    def load_own_variables(self, store):
-        # Keras only warns on a count mismatch and keeps the defaults: a resumed run would
-        # restart from the initial scale. No optimizer in the file: Keras's warning, state kept.
-        saved, counts = len(store.keys()), (len(self.variables), self._unbuilt_variable_count)
-        if self.built and saved and saved not in counts and self._load_own_part(store, saved):
-            return
-        if self.built and saved and saved not in counts:
-            own = ", ".join(v.path.split("/")[-1] for v in self._variables)
-            raise ValueError(
-                f"Cannot load the optimizer state: the file holds {saved} optimizer "
-                f"variables, this {type(self).__name__} ({type(self.schedule).__name__}, "
-                f"inner {type(self.inner_optimizer).__name__}) has {len(self.variables)} "
-                f"(its own: {own}; then the inner optimizer's). The file was saved with "
-                "another optimizer (e.g. without keras_mp.LossScaleOptimizer) or another "
-                "loss-scale schedule: compile with the optimizer it was saved with, or "
-                "load only the model weights (e.g. load_weights into a model compiled "
-                "without an optimizer, then copy them).")
-        super().load_own_variables(store)
-
-    def _load_own_part(self, store, saved: int) -> bool:
-        """Where the file holds this optimizer's own variables (same shapes,
-        first) but another count of the inner optimizer's (the model's
-        variables changed since: quantized, say), loads its own and, as Keras
-        does for any optimizer, skips the inner state with a warning."""
-        own = list(self._variables)
-
-        def kind(i):
-            value = store[str(i)]
-            return tuple(np.shape(value)), np.dtype(value.dtype).name
-        # Ours first (same shapes and dtypes), then the inner optimizer's
-        # iteration count and learning rate: not another schedule's state.
-        if saved < len(own) + 2 or [kind(i) for i in range(len(own) + 2)] != \
-                [(tuple(v.shape), v.dtype) for v in own] + [((), "int64"), ((), "float32")]:
-            return False
-        for i, v in enumerate(own):
-            v.assign(store[str(i)])
-        warnings.warn(f"Skipping the inner {type(self.inner_optimizer).__name__}'s state: the "
-                      f"file holds {saved - len(own)} of its variables, this one has "
-                      f"{len(self.variables) - len(own)} (the model's variables changed since "
-                      "it was saved). The loss-scale state was loaded.", stacklevel=2)
-        return True
 
     def get_config(self):
         config = super().get_config()
