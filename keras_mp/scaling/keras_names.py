@@ -72,6 +72,18 @@ class KerasNamesMixin:
         """Keras's name for the finite-steps-since-growth counter."""
         return self._state_variables.get("good_steps")
 
+    @property
+    def _model_variables_moving_average(self):
+        """The inner optimizer's moving averages (``use_ema=True``), where
+        Keras reads them on ``model.optimizer``: ``keras.callbacks.SwapEMAWeights``
+        and Keras's own tests. An inner optimizer without EMA has none
+        (AttributeError, as on a Keras optimizer without it)."""
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or not hasattr(inner, "_model_variables_moving_average"):
+            raise AttributeError("_model_variables_moving_average: the inner optimizer keeps "
+                                 "no moving average (use_ema=False)")
+        return inner._model_variables_moving_average
+
     def get_scaled_loss(self, loss):
         """:meth:`scale_loss`, for code migrating from ``tf.keras``: as there,
         a callable ``loss`` gives a callable that returns the scaled loss."""

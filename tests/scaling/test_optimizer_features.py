@@ -139,3 +139,25 @@ def test_a_model_that_fit_builds_gets_its_loss_scale_optimizer_built_at_the_firs
     # Keras's expected value under mixed_float16 (its own test, atol 1e-5)
     np.testing.assert_allclose(optimizer._model_variables_moving_average[0].numpy(),
                                [[0.891, 0.891]], atol=1e-5)
+
+
+@pytest.mark.parametrize("setup", ["adaptive_bfloat16", "adaptive_float16"])
+def test_swap_ema_weights_reads_the_inner_optimizers_averages(setup):
+    """``keras.callbacks.SwapEMAWeights`` and Keras's own EMA test read
+    ``model.optimizer._model_variables_moving_average``: under an adaptive
+    policy ``model.optimizer`` is keras-mp's loss-scale wrapper (float16's
+    loss scale, or bfloat16's skip of non-finite steps), which hands over its
+    inner optimizer's (under Keras's ``mixed_float16`` the callback raises)."""
+    model = _compile(setup, "ema")
+    x, y = tiny_regression_data(64, 4)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+              callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True)])
+    optimizer = model.optimizer
+    assert isinstance(optimizer, keras_mp.LossScaleOptimizer)
+    averages = optimizer._model_variables_moving_average
+    assert averages is _inner(optimizer)._model_variables_moving_average
+    # Keras's fit ends by writing the averages into the weights (use_ema).
+    for weight, average in zip(model.trainable_variables, averages, strict=True):
+        np.testing.assert_allclose(weight.numpy(), average.numpy())
+    plain = keras_mp.LossScaleOptimizer(keras.optimizers.Adam())
+    assert not hasattr(plain, "_model_variables_moving_average")
