@@ -572,3 +572,35 @@ def test_fit_replaced_without_callbacks_warns_once_how_to_adapt():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             autofit.install()  # once
+
+
+def test_the_probe_runs_on_a_generator_that_leaves_an_optional_input_out():
+    """A functional model with an optional input fed by a generator that
+    yields None for it: Keras feeds an empty ``tf.experimental.Optional``
+    and turns it into None before its train step; the probe, which reads the
+    batch itself, does the same (Keras's model_test.py
+    ``test_functional_optional_inputs_generator`` crashed in it)."""
+    keras_mp.set_global_policy("adaptive_bfloat16")
+
+    class AddOptional(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x, o=None):
+            return self.dense(x if o is None else x + o)
+
+    x_in = keras.Input((2,), name="x")
+    o_in = keras.Input((2,), name="o", optional=True)
+    model = keras.Model({"x": x_in, "o": o_in}, AddOptional()(x_in, o_in))
+    model.compile(loss="mse", optimizer="adam")
+    x, y = np.ones((4, 2), "float32"), np.ones((4, 2), "float32")
+
+    def batches():
+        for _ in range(4):
+            yield {"x": x, "o": None}, y
+
+    cb = AdaptivePrecision(interval=100, probe_every=1, first_decision=None)
+    model.fit(batches(), epochs=1, verbose=0, callbacks=[cb])
+    assert cb._stats.read().probe_steps >= 1
+    assert int(model.optimizer.iterations) == 4

@@ -252,6 +252,10 @@ def _first_half(data):
     def half(t):
         if t is None:
             return None
+        if isinstance(t, tf.experimental.Optional):
+            # An optional input a generator left out: None, as Keras's train
+            # step makes it (TensorFlow trainer's _autoconvert_optionals).
+            return None
         n = tf.shape(t)[0]
         return t[:tf.maximum(n // 2, 1)]
     return tuple(keras.tree.map_structure(half, d) if d is not None else None for d in data)
