@@ -167,6 +167,26 @@ def test_routine_overflows_of_a_high_scale_keep_the_epochs_loss_as_keras_does(
     assert not any("were skipped" in str(w.message) for w in caught)
 
 
+def test_routine_skips_of_a_forward_overflow_leave_the_metric_totals_out(adapt_every_fit):
+    """The demo's start: inputs beyond float16's range overflow the forward
+    pass, and the dynamic scale backs off (routine: above its floor). Those
+    steps' loss is not finite, so their records are put back: the epoch's
+    loss is the mean of the finite steps, and NaN where none was."""
+    keras.utils.set_random_seed(0)
+    x, y = _data(128)
+    model = _model("adaptive_float16", False)
+    big = x.copy()
+    big[:BATCH] *= 1e6   # the first batch overflows float16 (beyond 65504)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = model.fit(big, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        everywhere = model.fit(x * 1e6, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert np.isfinite(h.history["loss"][0]), h.history
+    assert np.isnan(everywhere.history["loss"][0]), everywhere.history
+    assert int(model.optimizer.skipped_steps.numpy()) == 5
+    assert not any("were skipped" in str(w.message) for w in caught)  # routine: no warning
+
+
 def test_terminate_on_nan_still_stops_the_run():
     x, y = _data(128)
     model = _model("adaptive", False)

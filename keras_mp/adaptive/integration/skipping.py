@@ -29,8 +29,9 @@ data and ``keras.callbacks.TerminateOnNaN`` stops the run as it would under
 Keras; its evidence counts for no layer (no promotion comes of it), and the
 loss scale neither backs off nor grows. A step skipped for an overflow of its
 own (float16 gradients at a loss scale too high, above the scale's floor)
-logs its finite loss and keeps what its forward pass and metrics recorded, as
-under Keras's ``mixed_float16``, and does not stop the run. Skipped steps are
+logs its loss and does not stop the run; where that loss is finite it keeps
+what its forward pass and metrics recorded, as under Keras's
+``mixed_float16``. Skipped steps are
 counted per epoch and warned about once per epoch (how many, the first, how
 many were bad data; :class:`SkipReport`), but for the skips a dynamic loss
 scale makes routinely above its floor (it backs off and goes on: a few per
@@ -169,17 +170,17 @@ def install() -> None:
 
 class _Guard:
     """A guarded model's counts (kept in this process, not saved): in the
-    epoch, its steps, skipped steps, skipped bad-data steps and the first
-    skipped step (1-based, 0: none); since the guard was installed, skipped
-    steps and bad-data steps."""
+    epoch, its steps, skipped steps, skipped bad-data steps, the first
+    skipped step (1-based, 0: none) and the steps whose records were put
+    back; since the guard was installed, skipped steps and bad-data steps."""
 
     def __init__(self, model: keras.Model):
         with model.distribute_strategy.scope():
-            self.counts = tf.Variable(tf.zeros([6], tf.int64), trainable=False,
+            self.counts = tf.Variable(tf.zeros([7], tf.int64), trainable=False,
                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     def count(self, finite: tf.Tensor, bad: tf.Tensor | None,
-              routine: tf.Tensor | None = None) -> None:
+              routine: tf.Tensor | None = None, kept: tf.Tensor | None = None) -> None:
         """Counts one step; a routine skip of a dynamic loss scale (``routine``,
         not on bad data) counts as a step, not as a skip."""
         c = self.counts.read_value()
@@ -188,19 +189,22 @@ class _Guard:
         bad = tf.zeros([], tf.int64) if bad is None else tf.cast(bad, tf.int64) * skipped
         # The first skipped step: this one (c[0] + 1) where none was before.
         first = tf.where(c[3] == 0, c[0] + 1, 0) * skipped
-        self.counts.assign_add(tf.stack([tf.ones([], tf.int64), skipped, bad, first, skipped,
-                                         bad]))
+        restored = tf.zeros([], tf.int64) if kept is None else \
+            1 - tf.cast(kept, tf.int64)
+        self.counts.assign_add(tf.stack([tf.ones([], tf.int64), skipped, bad, first, restored,
+                                         skipped, bad]))
 
-    def epoch(self) -> tuple[int, int, int, int]:
-        """This epoch's steps, skipped steps, bad-data steps, first skipped step."""
-        return tuple(int(x) for x in self.counts.numpy()[:4])
+    def epoch(self) -> tuple[int, int, int, int, int]:
+        """This epoch's steps, skipped steps, bad-data steps, first skipped
+        step, steps whose records were put back."""
+        return tuple(int(x) for x in self.counts.numpy()[:5])
 
     def total(self) -> tuple[int, int]:
         """Skipped steps and bad-data steps since the guard was installed."""
-        return tuple(int(x) for x in self.counts.numpy()[4:])
+        return tuple(int(x) for x in self.counts.numpy()[5:])
 
     def new_epoch(self) -> None:
-        self.counts.assign(tf.concat([tf.zeros([4], tf.int64), self.counts[4:]], 0))
+        self.counts.assign(tf.concat([tf.zeros([5], tf.int64), self.counts[5:]], 0))
 
 
 def _routine(routine: tf.Tensor | None, bad: tf.Tensor | None) -> tf.Tensor:
@@ -238,12 +242,18 @@ def _guarded(model: keras.Model, guard: _Guard):
             finite = all_of([f for f, _, _ in step.verdicts], tf.reduce_all)
             bad = all_of([b for _, b, _ in step.verdicts if b is not None], tf.reduce_any)
             routine = all_of([r for _, _, r in step.verdicts if r is not None], tf.reduce_all)
+            keep = finite
+            if routine is not None:
+                # A routine skip whose loss is finite (the scale overflowed the
+                # gradients, not the forward pass) keeps what the forward pass
+                # and the metrics recorded, as Keras's mixed_float16 does.
+                loss = logs.get("loss") if isinstance(logs, dict) else None
+                fine = tf.reduce_all(tf.math.is_finite(loss)) if tf.is_tensor(loss) \
+                    and loss.dtype.is_floating else tf.constant(True)
+                keep = finite | (_routine(routine, bad) & fine)
             with tf.control_dependencies([t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]):
-                # A routine skip keeps what the forward pass and the metrics
-                # recorded (its values are finite), as Keras's mixed_float16 does.
-                done = tf.cond(finite | _routine(routine, bad), lambda: tf.constant(False),
-                               step.restore)
-                guard.count(finite, bad, routine)
+                done = tf.cond(keep, lambda: tf.constant(False), step.restore)
+                guard.count(finite, bad, routine, keep)
             step.forget()
             with tf.control_dependencies([done]):
                 logs = tf.nest.map_structure(
@@ -310,13 +320,13 @@ class SkipReport(keras.callbacks.Callback):
         guard_ = _guard_of(self.model)
         if guard_ is None:
             return
-        steps, count, bad, first = guard_.epoch()
+        steps, count, bad, first, restored = guard_.epoch()
+        if steps and restored == steps and logs is not None and "loss" in logs:
+            # Every step's records put back: the metric totals count none
+            # (Keras's mean of nothing reads 0); say so in the epoch's loss.
+            logs["loss"] = float("nan")
         if not count:
             return
-        if count == steps and logs is not None and "loss" in logs:
-            # No step applied: the metric totals count none (Keras's mean of
-            # nothing reads 0); say so in the epoch's loss.
-            logs["loss"] = float("nan")
         why = f", {bad} of them bad data (non-finite inputs or targets)" if bad else ""
         warnings.warn(
             f"keras_mp: {count} of {steps} steps in epoch {epoch + 1} had non-finite "
