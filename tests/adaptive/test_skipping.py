@@ -111,8 +111,12 @@ def test_bad_data_promotes_no_layer_while_adapting(policy, adapt_every_fit):
     assert cb.events == [], cb.events  # no input_range from NaN input, nothing to undo
     narrow = keras_mp.device.default_candidates()[0] if policy == "adaptive" else "float16"
     assert {layer.compute_dtype for layer in model.layers} == {narrow}
-    stats = model._keras_mp_statistics  # evidence still counted on the clean steps
-    assert cb._calls == 16 * 5 and stats is not None
+    # Evidence still counted on the clean steps, where there is a 16-bit
+    # candidate to gather it for (float32 alone on a CPU without 16-bit units:
+    # the callback steps aside, the skip still holds).
+    stats = getattr(model, "_keras_mp_statistics", None)
+    adapting = narrow != "float32"
+    assert (stats is not None) == adapting and cb._calls == (16 * 5 if adapting else 0)
 
 
 def test_bad_data_leaves_the_loss_scale_as_it_was(adapt_every_fit):

@@ -181,11 +181,12 @@ class _Guard:
 
     def count(self, finite: tf.Tensor, bad: tf.Tensor | None,
               routine: tf.Tensor | None = None, kept: tf.Tensor | None = None) -> None:
-        """Counts one step; a routine skip of a dynamic loss scale (``routine``,
-        not on bad data) counts as a step, not as a skip."""
+        """Counts one step; a routine skip of a dynamic loss scale (``routine``:
+        already False on bad data, :func:`_routine`) counts as a step, not as a
+        skip; ``kept``: whether the step's records were kept."""
         c = self.counts.read_value()
-        skipped = tf.cast(tf.logical_not(finite) & tf.logical_not(_routine(routine, bad)),
-                          tf.int64)
+        expected = routine if routine is not None else tf.constant(False)
+        skipped = tf.cast(tf.logical_not(finite) & tf.logical_not(expected), tf.int64)
         bad = tf.zeros([], tf.int64) if bad is None else tf.cast(bad, tf.int64) * skipped
         # The first skipped step: this one (c[0] + 1) where none was before.
         first = tf.where(c[3] == 0, c[0] + 1, 0) * skipped
@@ -244,13 +245,14 @@ def _guarded(model: keras.Model, guard: _Guard):
             routine = all_of([r for _, _, r in step.verdicts if r is not None], tf.reduce_all)
             keep = finite
             if routine is not None:
+                routine = _routine(routine, bad)  # once: the guard counts with it too
                 # A routine skip whose loss is finite (the scale overflowed the
                 # gradients, not the forward pass) keeps what the forward pass
                 # and the metrics recorded, as Keras's mixed_float16 does.
                 loss = logs.get("loss") if isinstance(logs, dict) else None
                 fine = tf.reduce_all(tf.math.is_finite(loss)) if tf.is_tensor(loss) \
                     and loss.dtype.is_floating else tf.constant(True)
-                keep = finite | (_routine(routine, bad) & fine)
+                keep = finite | (routine & fine)
             with tf.control_dependencies([t for t in tf.nest.flatten(logs) if tf.is_tensor(t)]):
                 done = tf.cond(keep, lambda: tf.constant(False), step.restore)
                 guard.count(finite, bad, routine, keep)
