@@ -450,11 +450,13 @@ def _warm_up(kind, variants, build, data, small, steps, log, progress):
 
 
 def _same_dtype_keras(entry: dict[str, Any]) -> str:
-    """The Keras one-liner computing in keras_mp's (most common) compute dtype."""
+    """The Keras one-liner computing in keras_mp's (most common) compute dtype,
+    under XLA where keras_mp's step runs under XLA."""
     counts = entry.get("compute_dtypes") or {"float32": 1}
     narrow = {d: n for d, n in counts.items() if d in ("bfloat16", "float16")}
     dtype = max(narrow, key=narrow.get) if narrow else "float32"
-    return "keras_float32" if dtype == "float32" else f"keras_mixed_{dtype}"
+    name = "keras_float32" if dtype == "float32" else f"keras_mixed_{dtype}"
+    return name + ("_xla" if entry.get("mode") == "xla" else "")
 
 
 def _add_memory(kind, size, steps, entries, quick, log, progress, tag) -> None:

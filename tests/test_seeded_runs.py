@@ -78,8 +78,11 @@ def test_a_seeded_run_trains_the_same_weights_with_an_empty_and_a_kept_cache(see
         np.testing.assert_array_equal(a[key], b[key], err_msg=f"{policy} {model} {key}")
     assert first["loss"] == second["loss"]
     assert first["chosen"] == second["chosen"] in ("graph", "xla_update", "xla")
-    # The adaptive decisions were taken, and are the same.
-    assert any(row["stats"] is not None for row in first["report"]["layers"]), first["report"]
+    # The adaptive decisions were taken, and are the same. (On a CPU without
+    # 16-bit units "adaptive" is float32 alone and gathers no evidence.)
+    if first["report"]["candidates"] != ["float32"]:
+        assert any(row["stats"] is not None for row in first["report"]["layers"]), \
+            first["report"]
     assert first["report"] == second["report"]
     # The execution trial measured in the first process and its decisions
     # were read back in the second. (The LSTM's RMSprop update has no native

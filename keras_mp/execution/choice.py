@@ -263,7 +263,7 @@ def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
         model.jit_compile = mode == "xla"  # the train step's: evaluate's is inference.jit's
 
     costs = {}
-    if "xla" in candidates:
+    if "xla" in candidates and not reasons.float32_class(model):
         costs["xla"] = lambda rec: None if rec.step_bytes is None else (
             rec.step_bytes, "a copy of the step's tensors, held by the step under XLA")
     return step_trial.StepTrial(record, candidates, MARGIN, decided, memory_cost=costs,

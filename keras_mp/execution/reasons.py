@@ -30,7 +30,7 @@ from keras_mp.fused import layers as fused_layers
 __all__ = ["MAPS_BUDGET", "XLA_MATMUL_FLOOR", "SMALL_OUTPUT", "SHORT_FIT", "maps", "graph_only",
            "short_fit",
            "slow_matmul", "convolution", "small_xla_work", "little_to_compile", "update_only",
-           "update_memory", "update_native"]
+           "update_memory", "update_native", "float32_class"]
 
 #: Past this fraction of the process's memory maps (:func:`keras_mp.device.xla.memory_maps`),
 #: no new XLA compilation is tried.
@@ -89,6 +89,30 @@ def graph_only(model: keras.Model) -> str | None:
     if not xla.xla_available():
         return "XLA does not run on this device"
     return maps()
+
+
+def float32_class(model: keras.Model) -> bool:
+    """Whether ``model`` adapts among float32 alone: every layer with an
+    adaptive policy has float32 as its only candidate
+    (:func:`keras_mp.fused.layers.float32_alone`; ``"adaptive"`` on a CPU
+    without 16-bit units), and at least one layer has one.
+
+    There the best Keras one-liner is float32 with ``jit_compile=True``
+    (1.12-1.34x plain float32 on AVX2 CPUs, docs/benchmarks.md), whose step
+    holds XLA's copy of the step's tensors too: so the execution trial
+    tries the whole step under XLA whatever that copy takes
+    (:data:`keras_mp.execution.step_trial.MEMORY_BUDGET` guards the 16-bit
+    set-ups, whose Keras one-liners run no XLA).
+
+    >>> import keras
+    >>> float32_class(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    False
+    """
+    _check(model)
+    adaptive = [fused_layers.float32_alone(layer)
+                for layer in model._flatten_layers(include_self=True)
+                if getattr(layer.dtype_policy, "candidates", None)]
+    return bool(adaptive) and all(adaptive)
 
 
 def slow_matmul(model: keras.Model) -> str | None:

@@ -68,7 +68,10 @@ peak from 2.9 to 5.1 GB, against 3.2 GB for Keras's ``mixed_bfloat16``
 (:mod:`keras_mp.execution.choice`) is what the graph step's tensors took on
 its first call (TensorFlow's allocator peak during the call, its statistics
 reset before it, minus what was live before; or the process's growth where
-the allocator keeps no statistics). The update under XLA keeps compiled code
+the allocator keeps no statistics). A model adapting among float32 alone
+(:func:`keras_mp.execution.reasons.float32_class`) is tried under XLA
+whatever that copy takes: Keras's best one-liner there is float32 with XLA,
+which holds it too. The update under XLA keeps compiled code
 per variable; where that would not fit, it is not a candidate at all
 (:func:`keras_mp.execution.candidate_modes`, checked before anything is
 traced).

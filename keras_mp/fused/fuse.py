@@ -21,7 +21,7 @@ import keras
 
 from keras_mp._cloning import clone_with_weights
 from keras_mp.device import xla
-from keras_mp.fused.layers import MultiHeadAttention, fused_class
+from keras_mp.fused.layers import MultiHeadAttention, float32_alone, fused_class
 
 __all__ = ["fuse"]
 
@@ -121,8 +121,9 @@ def _swap_in_place(model: keras.Model) -> None:
         fused_cls = fused_class(type(layer))
         if fused_cls is None:
             continue
-        if fused_cls is MultiHeadAttention and not xla.uses_xla("matmul"):
-            continue  # its fused path needs XLA's matmuls (keras_mp.fused.layers)
+        if fused_cls is MultiHeadAttention and (not xla.uses_xla("matmul")
+                                                or float32_alone(layer)):
+            continue  # its fused path needs XLA's matmuls, and 16 bits (keras_mp.fused.layers)
         original = type(layer)
         shapes = getattr(layer, "_build_shapes_dict", None) or {}
         shape = next(iter(shapes.values()), None)

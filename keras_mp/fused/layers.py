@@ -31,7 +31,8 @@ from keras_mp.fused import ops as kops
 from keras_mp.device import xla
 
 __all__ = ["BatchNormalization", "Dense", "LayerNormalization", "MultiHeadAttention", "RMSNormalization",
-           "ReversibleEmbedding", "Softmax", "FUSED_LAYERS", "fused_activation", "fused_class"]
+           "ReversibleEmbedding", "Softmax", "FUSED_LAYERS", "fused_activation", "fused_class",
+           "float32_alone"]
 
 # Keras activation functions with a fused kernel, and how the kernel names them.
 _FUSED_ACTIVATIONS: dict[Any, tuple[str, bool]] = {
@@ -41,6 +42,26 @@ _FUSED_ACTIVATIONS: dict[Any, tuple[str, bool]] = {
     keras.activations.silu: ("silu", False),
     keras.activations.tanh: ("tanh", False),
 }
+
+
+def float32_alone(layer: keras.layers.Layer) -> bool:
+    """Whether ``layer``'s dtype policy is an adaptive one whose only candidate
+    is float32 (``"adaptive"`` on a CPU without 16-bit units): there the
+    fused kernels of ``Dense``, the normalizations, ``Softmax`` and
+    ``MultiHeadAttention`` run Keras's code instead. A fixed rule, from
+    measurement (issue 48): as the AVX2 class (2-core AMD EPYC with
+    AVX512-BF16, decisions and kernels capped to AVX2, quick bench
+    Transformer, 7 interleaved rounds, CPU ms a step) the fused float32
+    layers ran 216 as a graph against 173 for Keras's, and under XLA
+    269.7 against 264.3 for the fused graph, where Keras's layers gain
+    1.27x from XLA. (``BatchNormalization``'s fused kernel is TensorFlow's
+    own, no XLA: it stays.)
+
+    >>> import keras
+    >>> float32_alone(keras.layers.Dense(2)), float32_alone(keras.layers.Dense(2, dtype="mixed_bfloat16"))
+    (False, False)
+    """
+    return tuple(getattr(layer.dtype_policy, "candidates", None) or ()) == ("float32",)
 
 
 def fused_activation(fn: Any) -> tuple[str, bool] | None:
@@ -97,7 +118,8 @@ class Dense(keras.layers.Dense):
         """Whether :meth:`call` runs the fused epilogue (else Keras's code)."""
         return (fused_activation(self.activation) is not None
                 and not self.lora_enabled
-                and not self.quantization_mode)
+                and not self.quantization_mode
+                and not float32_alone(self))
 
     def quantize(self, mode=None, type_check=True, config=None):
         # Keras quantizes only exact keras.layers.Dense unless told otherwise;
@@ -133,7 +155,8 @@ class LayerNormalization(keras.layers.LayerNormalization):
     @property
     def fused(self) -> bool:
         """Whether :meth:`call` runs the fused kernel (else Keras's code)."""
-        return not self.rms_scaling and _last_axis(self.axis, self._input_rank)
+        return (not self.rms_scaling and _last_axis(self.axis, self._input_rank)
+                and not float32_alone(self))
 
     def build(self, input_shape):
         # Keras may rewrite `axis` as a non-negative index in build, so the
@@ -230,7 +253,7 @@ class RMSNormalization(keras.layers.RMSNormalization):
     @property
     def fused(self) -> bool:
         """Whether :meth:`call` runs the fused kernel (else Keras's code)."""
-        return _last_axis(self.axis, self._input_rank)
+        return _last_axis(self.axis, self._input_rank) and not float32_alone(self)
 
     def build(self, input_shape):
         self._input_rank = len(input_shape)
@@ -261,7 +284,8 @@ class Softmax(keras.layers.Softmax):
     def fused(self) -> bool:
         """Whether :meth:`call` runs the fused kernel (else Keras's code)."""
         axis = self.axis
-        return isinstance(axis, int) or (isinstance(axis, (list, tuple)) and len(axis) == 1)
+        return (isinstance(axis, int) or (isinstance(axis, (list, tuple)) and len(axis) == 1)) \
+            and not float32_alone(self)
 
     def call(self, inputs, mask=None):
         if not self.fused:
@@ -294,7 +318,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     def _fusable(self, query, value, key, masks, return_attention_scores, training,
                  use_causal_mask) -> bool:
         inputs = [t for t in (query, value, key) if t is not None]
-        return (xla.uses_xla("matmul")
+        return (xla.uses_xla("matmul") and not float32_alone(self)
                 and all(m is None for m in masks)
                 and not return_attention_scores and not use_causal_mask
                 and not (self._dropout > 0.0 and training)

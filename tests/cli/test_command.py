@@ -200,3 +200,25 @@ def test_quick_bench_leaves_out_one_liners_of_dtypes_without_hardware(hardware, 
     # names the dtype and how to time it anyway.
     for v, why in out.items():
         assert v.removeprefix("keras_mixed_").removesuffix("_xla") in why and "--variants" in why
+
+
+def test_the_bench_times_keras_mp_as_in_a_long_fit_and_holds_it_to_its_keras_twin():
+    """Each bench round is one epoch of a few steps; the bench stands for
+    the steady state of a long fit, so keras-mp is told one (a Dense model's
+    fit of 10 steps would otherwise measure no execution mode, issue 48), and
+    its memory is held to the Keras one-liner of its dtype and mode."""
+    from benchmarks import models, suite, variants
+    from keras_mp import _installed
+    from keras_mp.execution import reasons
+
+    build, data = models.get("mlp", dict(batch=8, features=4, width=8, depth=1), steps=2)
+    train, state = variants.make("keras_mp", build, data, steps=2)
+    train()
+    model = state["model"]
+    assert getattr(model.__dict__[_installed.INSTALLED_ATTR], reasons.EXPECTED_ATTR) \
+        == variants.LONG_FIT
+    assert reasons.short_fit(model) is None
+    entry = {"compute_dtypes": {"float32": 3}, "mode": "xla"}
+    assert suite._same_dtype_keras(entry) == "keras_float32_xla"
+    assert suite._same_dtype_keras({"compute_dtypes": {"bfloat16": 2, "float32": 1},
+                                    "mode": "graph"}) == "keras_mixed_bfloat16"
