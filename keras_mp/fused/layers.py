@@ -61,6 +61,8 @@ def float32_alone(layer: keras.layers.Layer) -> bool:
     >>> float32_alone(keras.layers.Dense(2)), float32_alone(keras.layers.Dense(2, dtype="mixed_bfloat16"))
     (False, False)
     """
+    if not isinstance(layer, keras.layers.Layer):
+        raise TypeError(f"`layer` must be a Keras layer, got {type(layer).__name__}.")
     return tuple(getattr(layer.dtype_policy, "candidates", None) or ()) == ("float32",)
 
 
