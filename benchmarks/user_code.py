@@ -27,11 +27,24 @@ Two scenarios (issue 39, item 4):
   adapts every fit here (``autofit.set_min_saving(0)``), as it would adapt
   the user's.
 
+* one scenario per keras.io example of :mod:`benchmarks.keras_io_examples`
+  (``distillation``, ``collaborative``, ``multi_io``, ``structured``,
+  ``seq2seq``, ``ts_transformer``, ``ts_fcn``, ``unet``; issue 49, item 4):
+  the wall and CPU time from setting the policy to the end of the example's
+  ``fit`` (building, ``adapt`` calls, compiling, every start-up cost),
+  ``fit`` alone beside it (``fit_wall_s``), each keras_mp process with an
+  empty measurement cache of its own unless ``--cache`` names one. ``"adaptive"`` is compared with the
+  Keras policy of the dtype it picks on this CPU (``mixed_bfloat16`` where
+  bfloat16 is fast, float32 where it is float32 alone),
+  ``"adaptive_float16"`` with ``mixed_float16``. ``--scale`` shrinks or
+  grows the examples' data (1: the sizes in that module).
+
 Rounds are interleaved (A, B, A, B, ...), so that load from other processes
 on a shared machine falls on every variant alike; medians and spreads
 (max - min) of each clock are reported, with the machine's CPU.
 
-Run: ``python -m benchmarks.user_code [--scenario small_fit|sepconv] [--rounds 5]``
+Run: ``python -m benchmarks.user_code [--scenario small_fit|sepconv|EXAMPLE|examples]
+[--rounds 5] [--scale 1]`` (``examples``: every example in turn).
 """
 
 from __future__ import annotations
@@ -48,16 +61,38 @@ from collections.abc import Sequence
 from typing import Any
 
 from .common import cpu_name
+from .keras_io_examples import BUILDERS
 
-__all__ = ["SCENARIOS", "PAIRS", "run", "main"]
+__all__ = ["SCENARIOS", "EXAMPLES", "PAIRS", "pairs", "run", "main"]
 
+#: The keras.io examples (:mod:`benchmarks.keras_io_examples`), one scenario each.
+EXAMPLES = tuple(BUILDERS)
+#: Stands for the Keras policy of the dtype ``"adaptive"`` picks on this CPU (:func:`pairs`).
+MATCHING = "keras_matching"
 #: scenario -> the (keras_mp variant, Keras variant) pairs it compares.
 PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
     "small_fit": (("adaptive", "keras_float32"), ("adaptive_float16", "keras_mixed_float16")),
     "sepconv": (("adaptive_float16", "keras_mixed_float16"),),
+    **{name: (("adaptive", MATCHING), ("adaptive_float16", "keras_mixed_float16"))
+       for name in EXAMPLES},
 }
 SCENARIOS = tuple(PAIRS)
+#: ``cache`` value: every keras_mp process starts with an empty cache of its own.
+EMPTY = "empty"
 _MARK = "USER_CODE "
+
+
+def pairs(scenario: str) -> tuple[tuple[str, str], ...]:
+    """``scenario``'s pairs with :data:`MATCHING` resolved on this CPU:
+    ``keras_mixed_bfloat16`` (or ``keras_mixed_float16``) where ``"adaptive"``
+    picks that dtype first, ``keras_float32`` where it is float32 alone."""
+    if scenario not in PAIRS:
+        raise ValueError(f"`scenario` must be one of {SCENARIOS}, got {scenario!r}.")
+    from keras_mp.device import default_candidates
+
+    first = default_candidates()[0]
+    keras_policy = "keras_float32" if first == "float32" else f"keras_mixed_{first}"
+    return tuple((mp, keras_policy if k == MATCHING else k) for mp, k in PAIRS[scenario])
 
 
 def _set_policy(variant: str) -> None:
@@ -143,16 +178,33 @@ def _sepconv(variant: str, steps: int = 10) -> dict[str, float]:
             "wall_s": (time.perf_counter() - w0) / (2 * steps)}
 
 
-def _child(scenario: str, variant: str) -> None:
+def _example(name: str, variant: str, scale: float) -> dict[str, float]:
+    from .keras_io_examples import build
+
+    c0, w0 = time.process_time(), time.perf_counter()
+    _set_policy(variant)
+    _, fit = build(name, scale)
+    w1 = time.perf_counter()
+    fit()
+    return {"cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - w0,
+            "fit_wall_s": time.perf_counter() - w1}
+
+
+def _child(scenario: str, variant: str, scale: float = 1.0) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras  # noqa: F401 - imported before the clock starts, as for every variant
     import tensorflow  # noqa: F401
 
-    result = (_small_fit if scenario == "small_fit" else _sepconv)(variant)
+    if scenario in EXAMPLES:
+        result = _example(scenario, variant, scale)
+    else:
+        result = (_small_fit if scenario == "small_fit" else _sepconv)(variant)
     print(_MARK + json.dumps(result), flush=True)
 
 
-def _one(scenario: str, variant: str, cache: str) -> dict[str, float]:
+def _one(scenario: str, variant: str, cache: str, scale: float = 1.0) -> dict[str, float]:
+    if cache == EMPTY:  # a new, empty cache for this process alone
+        cache = tempfile.mkdtemp(prefix="keras_mp_cache_")
     env = dict(os.environ, KERAS_MP_CACHE_DIR=cache, TF_CPP_MIN_LOG_LEVEL="3")
     # Modules compiled once, as pip installs keras-mp (and Keras, TensorFlow): a
     # source checkout under PYTHONDONTWRITEBYTECODE=1 compiles keras_mp's 50
@@ -161,7 +213,8 @@ def _one(scenario: str, variant: str, cache: str) -> dict[str, float]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.user_code", "--child", scenario,
-                           variant], capture_output=True, text=True, env=env, cwd=root)
+                           variant, "--scale", repr(scale)],
+                          capture_output=True, text=True, env=env, cwd=root)
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith(_MARK)), None)
     if line is None:
         raise RuntimeError(f"{scenario}/{variant} failed:\n{proc.stderr[-3000:]}")
@@ -174,54 +227,76 @@ def _stats(values: list[float]) -> dict[str, Any]:
 
 
 def run(scenario: str = "small_fit", rounds: int = 5, cache: str | None = None,
-        log=print) -> dict[str, Any]:
+        log=print, scale: float = 1.0) -> dict[str, Any]:
     """Times ``scenario``'s pairs in ``rounds`` interleaved rounds, each
     variant in a fresh process; returns per variant the median and spread of
-    CPU and wall seconds and per pair the ratios (keras_mp / Keras)."""
+    CPU and wall seconds and per pair the ratios (keras_mp / Keras).
+    ``cache``: the keras_mp processes' ``KERAS_MP_CACHE_DIR`` (None: for the
+    keras.io examples :data:`EMPTY`, an empty one per process, as on a first
+    run; for the others a fresh directory the first round fills; ``"off"``:
+    none);
+    ``scale``: the examples' data (:mod:`benchmarks.keras_io_examples`)."""
     if scenario not in PAIRS:
         raise ValueError(f"`scenario` must be one of {SCENARIOS}, got {scenario!r}.")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"`rounds` must be an int >= 1, got {rounds!r}.")
-    cache = cache if cache is not None else tempfile.mkdtemp(prefix="keras_mp_cache_")
-    variants = [v for pair in PAIRS[scenario] for v in pair]
-    samples: dict[str, dict[str, list[float]]] = {v: {"cpu_s": [], "wall_s": []}
-                                                  for v in variants}
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 100:
+        raise ValueError(f"`scale` must be a number in (0, 100], got {scale!r}.")
+    if cache is None:
+        cache = EMPTY if scenario in EXAMPLES else tempfile.mkdtemp(prefix="keras_mp_cache_")
+    compared = pairs(scenario)
+    variants = [v for pair in compared for v in pair]
+    clocks = ("cpu_s", "wall_s", "fit_wall_s") if scenario in EXAMPLES else ("cpu_s", "wall_s")
+    samples: dict[str, dict[str, list[float]]] = {v: {c: [] for c in clocks} for v in variants}
     for r in range(rounds):
         for v in variants:
-            got = _one(scenario, v, cache)
-            for clock in ("cpu_s", "wall_s"):
+            got = _one(scenario, v, cache, scale)
+            for clock in clocks:
                 samples[v][clock].append(got[clock])
-            log(f"round {r + 1} {v}: cpu {got['cpu_s']:.3f} s, wall {got['wall_s']:.3f} s")
+            log(f"round {r + 1} {v}: " + ", ".join(f"{c} {got[c]:.3f} s" for c in clocks))
     result: dict[str, Any] = {
         "scenario": scenario, "rounds": rounds, "cache": cache, "cpu": cpu_name(),
-        "cores": os.cpu_count(),
+        "cores": os.cpu_count(), "scale": scale,
         "variants": {v: {c: _stats(s) for c, s in samples[v].items()} for v in variants}}
     result["ratios"] = {
         f"{mp}/{k}": {c: result["variants"][mp][c]["median"] / result["variants"][k][c]["median"]
-                      for c in ("cpu_s", "wall_s")}
-        for mp, k in PAIRS[scenario]}
+                      for c in clocks}
+        for mp, k in compared}
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", choices=SCENARIOS, default="small_fit")
+    parser.add_argument("--scenario", choices=(*SCENARIOS, "examples"), default="small_fit")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cache", default=None,
-                        help="KERAS_MP_CACHE_DIR for the keras_mp processes ('off': none)")
+                        help="KERAS_MP_CACHE_DIR for the keras_mp processes ('off': none; "
+                             "'empty': a new one per process, the examples' default)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="the keras.io examples' data, times their shrunk sizes")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(*args.child)
+        _child(*args.child, scale=args.scale)
         return
-    result = run(args.scenario, args.rounds, args.cache)
-    print(f"{result['scenario']}, {result['rounds']} interleaved rounds, fresh processes, "
-          f"{result['cpu']} ({result['cores']} cores), cache {result['cache']}")
-    for v, e in result["variants"].items():
-        print(f"  {v:22s} cpu {e['cpu_s']['median']:.3f} s (spread {e['cpu_s']['spread']:.3f})"
-              f"  wall {e['wall_s']['median']:.3f} s (spread {e['wall_s']['spread']:.3f})")
-    for pair, r in result["ratios"].items():
-        print(f"  {pair}: cpu {r['cpu_s']:.2f}x, wall {r['wall_s']:.2f}x")
+    results = []
+    for scenario in (EXAMPLES if args.scenario == "examples" else (args.scenario,)):
+        # A fresh cache per scenario unless one is named: each starts empty.
+        result = run(scenario, args.rounds, args.cache, scale=args.scale)
+        results.append(result)
+        print(f"{result['scenario']}, {result['rounds']} interleaved rounds, fresh processes, "
+              f"{result['cpu']} ({result['cores']} cores), cache {result['cache']}")
+        for v, e in result["variants"].items():
+            print(f"  {v:22s} cpu {e['cpu_s']['median']:.3f} s (spread "
+                  f"{e['cpu_s']['spread']:.3f})  wall {e['wall_s']['median']:.3f} s (spread "
+                  f"{e['wall_s']['spread']:.3f})")
+        for pair, r in result["ratios"].items():
+            print(f"  {pair}: " + ", ".join(f"{c.removesuffix('_s').replace('_', ' ')} "
+                                            f"{v:.2f}x" for c, v in r.items()), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -78,17 +78,18 @@ def long_fit_callback():
     """A Keras callback telling keras-mp's execution choice that each of the
     bench's one-epoch fits is an epoch of a fit of :data:`LONG_FIT` steps,
     as the bench's per-step times model (tracing and compilation left out
-    of every variant): otherwise a ``Dense``-only model's fit of 10 steps
-    measures nothing and runs as a graph
-    (:func:`keras_mp.execution.reasons.short_fit`), which is right for a fit
-    of 10 steps and not for the long fit the bench stands for. Placed after
-    ``AdaptivePrecision``, whose ``set_params`` tells the fit's own length.
+    of every variant): otherwise a fit of 10 steps measures nothing and runs
+    as a graph (:func:`keras_mp.execution.reasons.short_fit`), which is right
+    for a fit of 10 steps and not for the long fit the bench stands for.
+    Placed after ``AdaptivePrecision``, whose ``set_params`` tells the fit's
+    own length and takes the execution choice: this one takes it again.
 
     >>> type(long_fit_callback()).__name__
     'LongFit'
     """
     import keras
 
+    from keras_mp import execution
     from keras_mp.execution import start_up
 
     class LongFit(keras.callbacks.Callback):
@@ -96,6 +97,8 @@ def long_fit_callback():
             super().set_params(params)
             if self.model is not None:
                 start_up.expect(self.model, LONG_FIT)
+                if self.model.compiled:
+                    execution.configure(self.model)
 
     return LongFit()
 

@@ -548,6 +548,8 @@ CASES = [
      "`schedule`"),
     ("adaptive.integration.optimizer_setup.replace_optimizer", lambda: optimizer_setup.replace_optimizer(
         "model", SGD), TypeError, "`model`"),
+    ("adaptive.integration.optimizer_setup.check_loss_scale",
+     lambda: optimizer_setup.check_loss_scale("sometimes"), ValueError, "`loss_scale` must be"),
     ("adaptive.integration.optimizer_setup.rebuild_for_new_variables",
      lambda: optimizer_setup.rebuild_for_new_variables("model"), TypeError, "`model`"),
     ("adaptive.outputs.tensorboard.write_interval", lambda: tensorboard.write_interval(
@@ -699,6 +701,9 @@ CASES = [
      lambda: optimizer_state.build_metrics("model", None), TypeError, "`model`"),
     ("execution.start_up.kept_reason",
      lambda: execution.start_up.kept_reason("m", "rule", len), TypeError, "`model`"),
+    ("execution.start_up.fitting",
+     lambda: execution.start_up.fitting("m").__enter__(), TypeError, "`model`"),
+    ("execution.start_up.in_fit", lambda: execution.start_up.in_fit("m"), TypeError, "`model`"),
     ("execution.start_up.kept_reason",
      lambda: execution.start_up.kept_reason(_model(), "", len), ValueError, "`name`"),
     ("execution.inference.jit", lambda: execution.inference.jit("m"), TypeError, "`model`"),

@@ -45,8 +45,8 @@ XLA_MATMUL_FLOOR = 0.8
 SMALL_OUTPUT = 4096
 
 
-#: A fit of fewer train-function calls than this measures nothing for a small
-#: ``Dense`` model whose measurements are not kept yet (:func:`short_fit`).
+#: A fit of fewer train-function calls than this measures nothing: no trial
+#: of execution modes, no XLA (:func:`short_fit`).
 SHORT_FIT = 1000
 #: Where :func:`keras_mp.execution.start_up.expect` keeps the coming fit's calls
 #: (the model's keras_mp._installed holder).
@@ -222,42 +222,52 @@ def small_xla_work(model: keras.Model) -> str | None:
 
 def short_fit(model: keras.Model) -> str | None:
     """Why measuring for this model cannot pay off in the coming fit (None
-    where it may): a small ``Dense`` model (:func:`small_xla_work` says
-    ``"dense"``) and a fit of fewer than :data:`SHORT_FIT`
-    train-function calls (:func:`keras_mp.execution.start_up.expect`;
+    where it may): a fit of fewer than :data:`SHORT_FIT` train-function
+    calls (:func:`keras_mp.execution.start_up.expect`;
     :class:`keras_mp.callbacks.AdaptivePrecision` tells it from ``fit``'s
-    epochs and steps). Measuring takes a child process (about 5 s of CPU on a
-    2-core AMD EPYC, most of it importing TensorFlow) and the trial an XLA
-    compilation, against at most a fraction of each step won; the
-    keras-io "customizing fit" model (``Dense(1)``, 96 steps) fitted in 1.4 s
-    under Keras. Such a fit runs as Keras runs it on a CPU: a TensorFlow
-    graph without XLA (:func:`little_to_compile`); a longer fit measures,
-    once per machine. A fixed rule: whether this machine kept measurements
-    (:mod:`keras_mp.device.cache`) does not change it, so that a seeded
-    short fit trains the same weights with an empty cache and a full one.
+    epochs and steps), whatever the model. Measuring costs what a few
+    hundred steps cost, and more for a model whose XLA compilation is slow:
+    the trial times each candidate mode over interleaved rounds of calls on a
+    copy of the training state (:mod:`keras_mp.execution.step_trial`), and
+    the XLA matmul profile and the placement measurements come before it
+    (a child process: about 5 s of CPU on a 2-core AMD EPYC, most of it
+    importing TensorFlow). Against that, a mode wins at most a fraction of
+    each step. keras.io's functional-API guide model (two LSTMs, 80 calls)
+    fitted in 5.9 s under Keras ``mixed_bfloat16`` and its trial alone took
+    9.2 s; the "customizing fit" model (``Dense(1)``, 96 steps) fitted in
+    1.4 s under Keras. Such a fit runs as Keras runs it on a CPU: a
+    TensorFlow graph without XLA (:func:`little_to_compile`); a longer fit
+    measures, once per machine and model. A fixed rule: whether this machine
+    kept measurements (:mod:`keras_mp.device.cache`) does not change it, so
+    that a seeded short fit trains the same weights with an empty cache and
+    a full one. ``keras_mp.config.set_xla("elementwise", True)`` or an
+    explicit mode (``keras_mp.config.set_execution(model, "xla")``) still
+    gets XLA.
 
     Example:
         >>> import keras
         >>> from keras_mp.execution import reasons, start_up
         >>> mlp = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
         >>> start_up.expect(mlp, 96)
-        >>> reasons.short_fit(mlp) is None or reasons.short_fit(mlp).startswith("this fit")
+        >>> reasons.short_fit(mlp).startswith("this fit makes 96 train steps")
+        True
+        >>> start_up.expect(mlp, None)   # unknown length: measured
+        >>> reasons.short_fit(mlp) is None
         True
     """
     _check(model)
     calls = getattr(model.__dict__.get(_installed.INSTALLED_ATTR), EXPECTED_ATTR, None)
     if calls is None or calls >= SHORT_FIT or xla.forced("elementwise"):
         return None
-    if small_xla_work(model) != "dense":
-        return None
-    return (f"this fit makes {calls} train steps, fewer than {SHORT_FIT}: too few for XLA "
-            "to pay for itself (its compilation, the measurements), so the step runs as "
-            "Keras runs it on a CPU, a TensorFlow graph without XLA")
+    return (f"this fit makes {calls} train steps, fewer than {SHORT_FIT}: too few for a "
+            "measurement to pay for itself (the trial of each mode, an XLA compilation), so "
+            "the step runs as Keras runs it on a CPU, a TensorFlow graph without XLA")
 
 
 def little_to_compile(model: keras.Model) -> str | None:
     """Why keras_mp compiles nothing with XLA for this model (None where it
-    may): its XLA work is small (:func:`small_xla_work`), and either
+    may): the fit is too short to measure anything (:func:`short_fit`,
+    whatever the model); or its XLA work is small (:func:`small_xla_work`), and either
 
     * convolutions hold its weights. The whole step is not tried under XLA
       there (:func:`convolution`); the update under XLA has little to fuse,
@@ -265,8 +275,6 @@ def little_to_compile(model: keras.Model) -> str | None:
       CNN has 288 thousand weights and about 30 GFLOP a step, forward and
       backward; its trial measured the update under XLA at 188.6 ms of CPU
       per step against 183.9 as a graph); or
-    * ``Dense`` layers hold them and the fit is too short to measure
-      anything (:func:`short_fit`); or
     * ``Dense`` layers hold them, the whole step under XLA cannot win
       (:func:`slow_matmul`), the update needs no XLA (it is native,
       :func:`update_native`, or cannot be compiled alone), and the fused
@@ -293,12 +301,12 @@ def little_to_compile(model: keras.Model) -> str | None:
         >>> reasons.little_to_compile(mlp) is None   # no optimizer yet
         True
     """
+    short = short_fit(model)
+    if short is not None:   # any model: nothing measured, nothing compiled
+        return short
     kind = small_xla_work(model)
     if kind is None or xla.forced("elementwise"):   # asked for: keras_mp.config.set_xla
         return None
-    short = short_fit(model) if kind == "dense" else None
-    if short is not None:
-        return short
     values = _output_values(model)
     if kind == "convolution":
         return (f"convolutions hold {weight_share(model, _CONVOLUTIONS):.1%} of its weights, "

@@ -14,9 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import threading
 
 import keras
 
@@ -24,7 +26,44 @@ from keras_mp import _installed
 from keras_mp.device import cache as disk
 from keras_mp.execution import placement, reasons
 
-__all__ = ["expect", "expected_calls", "signature", "unsettled", "settle", "kept_reason"]
+__all__ = ["expect", "expected_calls", "fitting", "in_fit", "signature", "unsettled", "settle",
+           "kept_reason"]
+
+_fits = threading.local()  # ids of the models whose fit this thread is in
+
+
+@contextlib.contextmanager
+def fitting(model: keras.Model):
+    """Marks ``model``'s ``fit`` as under way in this thread (keras_mp's wrapper
+    of ``keras.Model.fit`` enters it, :mod:`keras_mp.adaptive.fit.autofit`), so
+    that a callback set up by it (:class:`keras_mp.callbacks.AdaptivePrecision`)
+    takes the execution choice once the fit's length is known
+    (``set_params``, :func:`expect`), not before.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> with fitting(model):
+        ...     in_fit(model)
+        True
+        >>> in_fit(model)
+        False
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    outer = getattr(_fits, "models", ())
+    _fits.models = (*outer, id(model))
+    try:
+        yield
+    finally:
+        _fits.models = outer
+
+
+def in_fit(model: keras.Model) -> bool:
+    """Whether ``model``'s ``fit`` is under way in this thread (:func:`fitting`)."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    return id(model) in getattr(_fits, "models", ())
 
 
 def expect(model: keras.Model, calls: int | None) -> None:

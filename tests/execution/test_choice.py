@@ -588,12 +588,13 @@ def test_adaptive_steps_and_the_trial_share_one_trace(monkeypatch, xla_matmuls_n
     # (on the first call, a statistics step or not) leave nothing in the
     # statistics, the guard's counts or the optimizer: they run on a copy.
     _fake_clocks(monkeypatch, {"xla": 0.8, "xla_update": 0.6})
+    # A fit of 30 calls measures nothing (reasons.short_fit, tested in
+    # test_cache.py); this one stands for a longer fit.
+    monkeypatch.setattr(execution.reasons, "SHORT_FIT", 30)
     x, y = _data(8 * 30)
     keras_mp.set_global_policy("adaptive_bfloat16")
     try:
         for statistics_every in (3, 1):   # the first call: a plain step, a statistics step
-            # A fused normalization: more XLA work than a short fit of a small
-            # Dense model, which measures nothing (reasons.short_fit).
             model = _model(keras_mp.fused.layers.LayerNormalization())
             cb = keras_mp.callbacks.AdaptivePrecision(
                 interval=100, statistics_every=statistics_every, probe_every=None,

@@ -13,7 +13,9 @@ are kept). Two functional models, each seeded with
   ``keras_mp.execution.reasons.SHORT_FIT``, so that the execution mode is
   decided from measurements, not by the short-fit rule);
 * ``lstm``: an LSTM and a Dense head with RMSprop, whose update has no
-  native kernel, so the trial has the update under XLA to try.
+  native kernel, so the trial has the update under XLA to try; 1056 train
+  steps, more than ``SHORT_FIT`` too (a shorter fit of any model measures
+  nothing).
 
 A feature of a few batches is beyond float16 (7e4): under
 ``"adaptive_float16"`` steps are skipped and layers are promoted, so the
@@ -64,7 +66,7 @@ def lstm(keras, rng):
     h = keras.layers.Dropout(0.2)(h)
     model = keras.Model(inputs, keras.layers.Dense(1)(h))
     model.compile(optimizer="rmsprop", loss="mse", metrics=["mae"])
-    x = rng.normal(size=(384, 12, 8)).astype("float32")
+    x = rng.normal(size=(352 * 16, 12, 8)).astype("float32")
     y = x[:, 0, :1] + x[:, -1, 1:2]
     x[::96, 0, 2] = 7e4
     return model, x, y, dict(batch_size=16, epochs=3)

@@ -71,6 +71,7 @@ from keras_mp.adaptive.decisions import gain
 from keras_mp.adaptive.integration import optimizer_setup, skipping, step_functions, switching
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.storage import frozen, moments
+from keras_mp.execution import start_up
 from keras_mp.scaling import skips
 
 __all__ = ["callback_of", "enabled", "install", "min_saving", "set_enabled", "set_min_saving"]
@@ -265,17 +266,19 @@ def install() -> None:
         new = _with_adaptive(self, callbacks, bound.arguments)
         if new is not callbacks:
             bound.arguments["callbacks"] = new
-        if "callbacks" in params:
-            return keras_fit(*bound.args, **bound.kwargs)
-        # A wrapper with **kwargs: callbacks by keyword, the rest as given.
-        n = len(args) + 1
-        names = list(signature.parameters)
-        if "callbacks" in names[:n]:
-            args = list(args)
-            args[names.index("callbacks") - 1] = bound.arguments["callbacks"]
-        elif new is not callbacks:
-            kwargs = {**kwargs, "callbacks": new}
-        return keras_fit(self, *args, **kwargs)
+        # The callbacks take the execution choice once they know the fit's length.
+        with start_up.fitting(self):
+            if "callbacks" in params:
+                return keras_fit(*bound.args, **bound.kwargs)
+            # A wrapper with **kwargs: callbacks by keyword, the rest as given.
+            n = len(args) + 1
+            names = list(signature.parameters)
+            if "callbacks" in names[:n]:
+                args = list(args)
+                args[names.index("callbacks") - 1] = bound.arguments["callbacks"]
+            elif new is not callbacks:
+                kwargs = {**kwargs, "callbacks": new}
+            return keras_fit(self, *args, **kwargs)
 
     @functools.wraps(keras_fit)
     def fit(self, *args, **kwargs):

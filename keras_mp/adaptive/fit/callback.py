@@ -3,7 +3,8 @@
 ``fit`` adds one to a model under an adaptive policy (:mod:`~keras_mp.adaptive.fit.autofit`).
 What the callback does, and when:
 
-* ``set_model`` (Keras calls it when ``fit`` starts, before the train function is built): finds
+* ``set_model`` (Keras calls it when ``fit`` starts, before the train function is built; the
+  execution mode is chosen in ``set_params``, once the fit's length is known): finds
   the model's :class:`keras_mp.AdaptivePolicy` and its controlled layers
   (:func:`keras_mp.policies.adaptive_layers`: every layer, with or without weights), those an
   earlier fit too small to gain put in float32 back in their narrowest dtype
@@ -65,7 +66,7 @@ from keras_mp import execution
 from keras_mp.adaptive.decisions import controller
 from keras_mp.adaptive.evidence import float8, probe as probe_lib
 from keras_mp.adaptive.evidence.hooks import Hooks
-from keras_mp.adaptive.evidence.stats import IntervalStats, LayerStatistics
+from keras_mp.adaptive.evidence.stats import LayerStatistics
 from keras_mp.adaptive.integration import optimizer_setup, skipping, step_functions, switching
 from keras_mp.adaptive.integration.loss_scales import LossScales
 from keras_mp.adaptive.outputs import tensorboard
@@ -74,7 +75,6 @@ from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_o
 from keras_mp.adaptive.record import timeline
 from keras_mp.adaptive.record.state import PrecisionState, attached
 from keras_mp.adaptive.storage import frozen
-from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
 __all__ = ["AdaptivePrecision"]
@@ -157,14 +157,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
             raise ValueError(f"`verbose` must be 0 or 1, got {verbose!r}.")
         if not isinstance(history_logs, bool):
             raise TypeError(f"`history_logs` must be True or False, got {history_logs!r}.")
-        if loss_scale is not None:
-            try:
-                loss_scale_lib.get(loss_scale)
-            except (ValueError, TypeError) as e:
-                raise ValueError(
-                    "`loss_scale` must be None, a keras_mp LossScaleSchedule, 'dynamic', a "
-                    f"number (a fixed scale) or a serialized schedule, got {loss_scale!r}."
-                ) from e
+        optimizer_setup.check_loss_scale(loss_scale)
         self.interval = interval
         self.statistics_every = statistics_every
         self.probe_every = probe_every
@@ -183,6 +176,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._writer = None
         self._policy: AdaptivePolicy | None = None
         self._inert = False
+        self._configured = self._retrace = False  # the execution choice taken (_configure)
         self._calls = self._epoch_switches = 0
         self._restored = False
         self._probe_fn = self._probe_step = None  # the probe; its traced step, for fit, probe()
@@ -203,17 +197,16 @@ class AdaptivePrecision(keras.callbacks.Callback):
         if not layers:
             raise ValueError("AdaptivePrecision found no layer under the model's "
                              "AdaptivePolicy (quantized layers and models do not count).")
-        self._policy = policy
-        self._layers = layers
-        self._paths = tuple(layer.path for layer in layers)
+        self._policy, self._layers, self._paths = policy, layers, tuple(x.path for x in layers)
         made = switching.release(policy, self._paths, layers, policy.calls)  # a fit's no_gain
         self.events += made
         if made or frozen.apply(model, layers):  # frozen weights in their layers' dtypes
             model.train_function = model.test_function = model.predict_function = None
         # Nothing to adapt: nothing runs (the step is plain Keras float32).
         self._inert = len(policy.candidates) == 1
+        self._configured, self._retrace = False, False
         if self._inert:
-            execution.configure(model)  # XLA or graph: the faster measured here
+            self._configure(in_fit_too=False)
             return
         hooks = getattr(model, _HOOKS_ATTR, None)
         if not isinstance(hooks, Hooks) or [id(x) for x in hooks.layers] != \
@@ -229,33 +222,44 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._state.bind(model, policy)  # its record goes into weights files
         self._calls = policy.calls if created and policy.loaded else self._calls  # steps go on
         if created or not self._state.restored(policy.candidates):
-            # Otherwise a checkpoint was just loaded into the variables: keep
-            # them for on_epoch_begin to adopt.
+            # (Otherwise a checkpoint was just loaded into them: on_epoch_begin adopts it.)
             self._state.write(self._states(), policy.candidates, self._calls)
         optimizer = self._connect_optimizer(model)
         self._scales = LossScales(optimizer, layers, hooks,
                                   per_layer=optimizer_setup.per_layer(self.model, policy, optimizer))
         self._scales.install(self._forward_order())
-        execution.configure(model)  # XLA or graph: the faster measured here
         self._probe_fn = self._make_probe() if step_functions.keras_train_step(model) else None
         self._probe_step = None
         # Custom loops (and later traces): statistics on every training call.
         hooks.forward = True
-        if optimizer is not getattr(self, "_optimizer", None) or model.train_function is None:
-            # Recompiled, wrapped just now, or reset by the user: trace anew.
-            # Otherwise a later fit reuses the traces of the last one.
+        # Recompiled, or wrapped just now: trace anew (_configure).
+        self._retrace = optimizer is not getattr(self, "_optimizer", None)
+        self._optimizer, self._restored = optimizer, False
+        self._configure(in_fit_too=False)
+
+    def _configure(self, in_fit_too: bool = True) -> None:
+        """The execution choice (XLA or graph: the faster measured here): outside ``fit`` (a
+        custom loop) in ``set_model``; in ``fit``, in ``set_params``, once the fit's length is
+        known (a short fit measures nothing, :func:`keras_mp.execution.reasons.short_fit`)."""
+        model = self.model
+        if not in_fit_too and execution.start_up.in_fit(model):
+            return
+        execution.configure(model)
+        if not self._inert and (self._retrace or model.train_function is None):
+            # Recompiled, wrapped, or reset by the user: trace anew (else reuse the last fit's).
             self._functions = self._probe_step = None
-        self._optimizer = optimizer
-        self._restored = False
+        self._configured, self._retrace = True, False
 
     def set_params(self, params: dict) -> None:
         """Keras's ``fit`` parameters; the coming fit's length goes to the execution choice
-        (``start_up.expect``: a short small ``Dense`` fit measures nothing) and early judgement."""
+        (``start_up.expect``: a short fit measures nothing), taken now, and early judgement."""
         super().set_params(params)
         if self.model is not None and isinstance(params, dict) and "epochs" in params:
             self._expected = execution.start_up.expected_calls(
                 params, getattr(self.model, "steps_per_execution", 1))
             execution.start_up.expect(self.model, self._expected)
+        if self._policy is not None and not self._configured:
+            self._configure()
 
     def _connect_optimizer(self, model: keras.Model):
         """The optimizer the model adapts with (optimizer_setup.connect: a
@@ -343,6 +347,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._restored, self._first, self._first_start = False, None, 0
+        if self._policy is not None and not self._configured:  # no set_params came
+            self._configure()
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._inert:
@@ -479,7 +485,10 @@ class AdaptivePrecision(keras.callbacks.Callback):
             self._state.set_schedule(self._first, self._first_start)  # a resumed run judges too
         timeline.record(self.model, self._calls, self._optimizer, self._paths,
                         self._scales.layer_loss_scales())
-        self._log(interval, made)
+        if self.log_dir is not None:  # TensorBoard
+            self._writer = self._writer or tf.summary.create_file_writer(self.log_dir)
+            tensorboard.write_interval(self._writer, self._calls, policy, self._paths, interval,
+                                       len(made), loss_scales=self._scales.layer_loss_scales())
         if made or trials_changed:
             self._rebuild()
         return made
@@ -488,12 +497,3 @@ class AdaptivePrecision(keras.callbacks.Callback):
         """Layer indices in forward order (as last traced), input first."""
         seen = [i for i in self._hooks.call_order if i < len(self._paths)]
         return seen + [i for i in range(len(self._paths)) if i not in seen]
-
-    def _log(self, interval: IntervalStats, made: list[dict[str, Any]]) -> None:
-        if self.log_dir is None:
-            return
-        if self._writer is None:
-            self._writer = tf.summary.create_file_writer(self.log_dir)
-        tensorboard.write_interval(self._writer, self._calls, self._policy, self._paths,
-                                   interval, len(made),
-                                   loss_scales=self._scales.layer_loss_scales())

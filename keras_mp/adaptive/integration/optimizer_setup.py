@@ -22,7 +22,7 @@ import keras
 from keras_mp.scaling import loss_scale as loss_scale_lib
 from keras_mp.scaling.optimizer import LossScaleOptimizer
 
-__all__ = ["scale_floor", "connect", "replace_optimizer", "rebuild_for_new_variables"]
+__all__ = ["scale_floor", "check_loss_scale", "connect", "replace_optimizer", "rebuild_for_new_variables"]
 
 
 def scale_floor(schedule: loss_scale_lib.LossScaleSchedule) -> float | None:
@@ -56,6 +56,19 @@ def replace_optimizer(model: keras.Model, make: Callable[[], keras.optimizers.Op
         compile_config.config["optimizer"] = new
     model.train_function = None
     return new
+
+
+def check_loss_scale(loss_scale) -> None:
+    """Raises a ``ValueError`` unless ``loss_scale`` is None or what
+    :class:`keras_mp.LossScaleOptimizer` takes as ``schedule``."""
+    if loss_scale is None:
+        return
+    try:
+        loss_scale_lib.get(loss_scale)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "`loss_scale` must be None, a keras_mp LossScaleSchedule, 'dynamic', a number (a "
+            f"fixed scale) or a serialized schedule, got {loss_scale!r}.") from e
 
 
 def wrap_for_loss_scaling(model: keras.Model, opt, schedule, layer_scales: bool,
