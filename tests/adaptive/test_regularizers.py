@@ -274,3 +274,44 @@ def test_normalization_adapts_on_a_dataset_in_float32(policy, adapt_every_fit):
     if sixteen:
         evidence = cb._stats.read()
         assert evidence.steps == 8 and evidence.probe_steps >= 1
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "adaptive_float16"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_lookup_layers_one_hot_encode_while_the_model_adapts(policy, gated, adapt_every_fit):
+    """keras.io's structured-data example: ``IntegerLookup`` and ``StringLookup``
+    one-hot encode categorical columns. Their ``compute_dtype`` is ``int64``
+    and ``string`` whatever their policy, so they are not layers the policy
+    controls (the statistics step crashed on them: "`dtype` must be one of
+    ..., got 'int64'"); the model around them adapts, statistics and probe
+    running, with plain steps sharing the statistics' trace or not."""
+    _set(policy)
+    rng = np.random.default_rng(0)
+    n = 128
+    ints = rng.integers(0, 4, (n, 1))
+    words = rng.choice(np.array(["fixed", "normal", "reversible"]), (n, 1))
+    numbers = (rng.normal(size=(n, 1)) * 50 + 130).astype("float32")
+    y = (ints[:, 0] % 2).astype("float32")
+    int_lookup = layers.IntegerLookup(output_mode="one_hot")
+    int_lookup.adapt(ints)
+    string_lookup = layers.StringLookup(output_mode="one_hot")
+    string_lookup.adapt(words)
+    norm = layers.Normalization()
+    norm.adapt(numbers)
+    inputs = [keras.Input((1,), dtype="int64"), keras.Input((1,), dtype="string"),
+              keras.Input((1,))]
+    h = layers.concatenate([int_lookup(inputs[0]), string_lookup(inputs[1]), norm(inputs[2])])
+    h = layers.Dropout(0.5)(layers.Dense(32, activation="relu")(h))
+    model = keras.Model(inputs, layers.Dense(1, activation="sigmoid")(h))
+    model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
+    controlled = policies.adaptive_layers(model, policies.policy_of(model))
+    assert int_lookup not in controlled and string_lookup not in controlled
+    assert any(isinstance(layer, layers.Dense) for layer in controlled)
+    cb = keras_mp.callbacks.AdaptivePrecision(
+        interval=1000, statistics_every=2 if gated else 1, probe_every=2, first_decision=None)
+    history = model.fit(tf.data.Dataset.from_tensor_slices(((ints, words, numbers), y)).batch(16),
+                        epochs=2, verbose=0, callbacks=[cb])
+    assert np.all(np.isfinite(history.history["loss"]))
+    if _adapts(policy):
+        evidence = cb._stats.read()
+        assert evidence.steps >= 8 and evidence.probe_steps >= 1

@@ -98,3 +98,54 @@ def test_a_short_fit_of_a_small_dense_model_measures_nothing(tmp_path):
     # profile behind "adaptive" is kept for the next process.
     assert "short True chosen graph xla started []" in proc.stdout, proc.stdout
     assert (tmp_path / cache.FILE).exists()
+
+
+def test_a_short_fit_of_any_model_measures_nothing_and_a_long_one_does(monkeypatch, caplog):
+    """An LSTM with a normalization (not a small Dense model): its fit of 12
+    calls takes the graph without asking any measured rule; told the fit is
+    long enough, the same model is tried in each mode. Outside ``fit`` (a
+    custom loop), ``set_model`` takes the choice at once."""
+    import logging
+
+    import keras
+    import numpy as np
+
+    import keras_mp
+    from keras_mp import execution
+
+    asked = []
+    slow_matmul = execution.reasons.slow_matmul
+    monkeypatch.setattr(execution.reasons, "slow_matmul",
+                        lambda model: asked.append(model) or slow_matmul(model))
+    x = np.random.default_rng(0).normal(size=(32, 12, 8)).astype("float32")
+    y = x[:, 0, :1]
+
+    def build():
+        model = keras.Sequential([keras.Input((12, 8)), keras.layers.LSTM(8),
+                                  keras.layers.LayerNormalization(), keras.layers.Dense(1)])
+        model.compile(optimizer="rmsprop", loss="mse")
+        return model
+
+    keras_mp.set_global_policy("adaptive_bfloat16")
+    try:
+        model = build()
+        with caplog.at_level(logging.INFO, logger="keras_mp"):
+            model.fit(x, y, batch_size=8, epochs=3, verbose=0)   # 12 calls
+        assert execution.reasons.short_fit(model).startswith("this fit makes 12 train steps")
+        assert execution.chosen(model) == "graph" and not asked
+        assert "fewer than 1000" in caplog.text and "this model's train step runs" not in caplog.text
+
+        monkeypatch.setattr(execution.reasons, "SHORT_FIT", 12)
+        caplog.clear()
+        model = build()
+        with caplog.at_level(logging.INFO, logger="keras_mp"):
+            model.fit(x, y, batch_size=8, epochs=3, verbose=0)
+        assert execution.reasons.short_fit(model) is None
+        assert "this model's train step runs" in caplog.text   # the trial's verdict
+
+        model = build()
+        cb = keras_mp.callbacks.AdaptivePrecision()
+        cb.set_model(model)                                   # a custom loop's set-up
+        assert execution.chosen(model) is not None
+    finally:
+        keras_mp.set_global_policy("float32")

@@ -59,6 +59,15 @@ def policy_of(model: keras.Model) -> AdaptivePolicy | None:
     return chosen
 
 
+def _floating(dtype) -> bool:
+    try:
+        return keras.backend.standardize_dtype(dtype) in ("float8_e4m3fn", "float8_e5m2",
+                                                          "float16", "bfloat16", "float32",
+                                                          "float64")
+    except ValueError:
+        return False
+
+
 def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.layers.Layer]:
     """The layers whose precision ``policy`` controls, in ``model``'s layer order.
 
@@ -67,9 +76,13 @@ def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.la
     weightless ``Rescaling`` or ``Softmax`` can be where the range is lost),
     including the sublayers of nested, subclassed and composite layers (such
     as ``MultiHeadAttention``'s projections and softmax). Left out: models
-    (containers whose layers are listed instead), ``InputLayer`` and quantized
+    (containers whose layers are listed instead), ``InputLayer``, quantized
     layers (their dtype belongs to the quantization), except the
-    float8-capable layers the policy switches (:mod:`keras_mp.adaptive.evidence.float8`).
+    float8-capable layers the policy switches (:mod:`keras_mp.adaptive.evidence.float8`),
+    and layers that compute in no floating dtype whatever their policy says
+    (Keras's ``IntegerLookup``, ``StringLookup`` and ``Hashing`` report
+    ``int64`` or ``string``: keras.io's structured-data example crashed the
+    statistics step on them).
 
     Example:
         >>> import keras, keras_mp
@@ -95,6 +108,8 @@ def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.la
         if isinstance(layer, (keras.Model, keras.layers.InputLayer)):
             continue
         if layer.quantization_mode is not None and not policy.is_float8(layer.path):
+            continue
+        if not _floating(layer.compute_dtype):
             continue
         out.append(layer)
     return out
