@@ -64,12 +64,12 @@ MEASURING_PACKAGE = "tests.execution."
 def pytest_collection_finish(session):
     """The subprocess pipelines that selected tests wait for start now, in
     the background (tests/background.py): the lifecycle of every execution
-    mode first (its tests come first), then KerasHub's T5 in float16, the real
-    models, then the seeded runs."""
+    mode first (its tests come first), then KerasHub's T5 in float16, the
+    SIGKILL runs of tests/test_resume.py, the real models, then the seeded runs."""
     import sys
 
     for name in ("tests.test_lifecycle_modes", "tests.test_made_nonfinite",
-                 "tests.test_real_models", "tests.test_seeded_runs"):
+                 "tests.test_resume", "tests.test_real_models", "tests.test_seeded_runs"):
         module = sys.modules.get(name)
         if module is not None:
             module.start(session.items)

@@ -34,7 +34,7 @@ from keras_mp import _saves, policies
 from keras_mp.callbacks import AdaptivePrecision
 from keras_mp.adaptive.outputs.report import precision_report
 from keras_mp.adaptive.record import timeline
-from tests import faults
+from tests import background, faults
 
 SCRIPT = Path(__file__).parent / "resume" / "train.py"
 TIMEOUT_S = 150  # per process; ~15 s each on 2 busy cores
@@ -72,7 +72,15 @@ def _strip(entry: dict) -> dict:
     return {k: v for k, v in entry.items() if k not in ("when", "epoch")}
 
 
-def test_sigkill_mid_epoch_then_resume_ends_bitwise_as_uninterrupted(tmp_path):
+# -- SIGKILL: the child processes run in the background ---------------------------------
+# Each kill test's processes (minutes of waiting on 2 cores) start right after
+# collection, beside the rest of the session (tests/background.py); the test
+# then checks what they left.
+
+def _mid_epoch(folder: str) -> list[dict]:
+    """A reference run, and a run killed mid-epoch 1 then resumed with the same
+    command; returns the killed run's log."""
+    tmp_path = Path(folder)
     ready = tmp_path / "ready"
     reference = _start(tmp_path, "reference")
     victim = _start(tmp_path, "run", "--hang-after", str(HANG_AFTER), "--ready", str(ready))
@@ -96,7 +104,53 @@ def test_sigkill_mid_epoch_then_resume_ends_bitwise_as_uninterrupted(tmp_path):
     finally:
         for p in procs:
             _stop(p)
+    return killed_log
 
+
+def _inside_fit_saves(folder: str) -> tuple[list[dict], dict]:
+    """Two kills inside saves (the child's own SIGKILL with the file open), then a
+    run to the end, beside an uninterrupted reference run."""
+    tmp_path = Path(folder)
+    reference = faults.start_child(tmp_path, "reference", "--backup", str(tmp_path / "ref"),
+                                   "--out", str(tmp_path / "reference.json"))
+    try:
+        records, final = faults.fit_chain(tmp_path, [("save", 4), ("save", 5)], kills=2)
+        assert faults.wait_child(reference, tmp_path, "reference") == 0
+    finally:
+        faults.stop_child(reference)
+    return records, final
+
+
+def _inside_save_loop(folder: str) -> list[dict]:
+    return faults.save_loop_kills(Path(folder), [("save", 3)], kills=1)
+
+
+_KILLS = {"test_sigkill_mid_epoch_then_resume_ends_bitwise_as_uninterrupted": _mid_epoch,
+          "test_sigkill_inside_saves_of_a_fit_then_resume_ends_as_uninterrupted":
+              _inside_fit_saves,
+          "test_sigkill_inside_a_model_save_loop_leaves_every_file_loadable": _inside_save_loop}
+
+
+def start(items) -> None:
+    """Starts the kill tests' processes that ``items`` (the session's selected
+    tests) need, in the background (tests/background.py)."""
+    for test, pipeline in _KILLS.items():
+        if any(item.name == test for item in items):
+            key = f"resume/{test}"
+            background.start(key, pipeline, background.folder(key))
+
+
+def _killed(test: str):
+    """The folder of ``test``'s kill pipeline and what it returned (started now
+    where the session did not start it)."""
+    key = f"resume/{test}"
+    background.start(key, _KILLS[test], background.folder(key))
+    return Path(background.folder(key)), background.result(key)
+
+
+def test_sigkill_mid_epoch_then_resume_ends_bitwise_as_uninterrupted():
+    tmp_path, killed_log = _killed(
+        "test_sigkill_mid_epoch_then_resume_ends_bitwise_as_uninterrupted")
     # What was backed up at the end of epoch 0 is not the fresh state...
     backed_up = _strip([e for e in killed_log if e["when"] == "end"][-1])
     assert backed_up["skipped_steps"] > 0
@@ -115,21 +169,14 @@ def test_sigkill_mid_epoch_then_resume_ends_bitwise_as_uninterrupted(tmp_path):
     assert not (tmp_path / "run_backup").exists(), "the backup outlived a finished run"
 
 
-# -- SIGKILL in the middle of saves ------------------------------------------------
-
-def test_sigkill_inside_saves_of_a_fit_then_resume_ends_as_uninterrupted(tmp_path):
+def test_sigkill_inside_saves_of_a_fit_then_resume_ends_as_uninterrupted():
     """Two kills inside saves (the child's own SIGKILL with the file open), then a
     run to the end. Per epoch the child saves the backup, last.keras, then
     epoch{n}.weights.h5. Kill 1, the 4th save: the backup after epoch 1 (run 2
     resumes at epoch 1). Kill 2, run 2's 5th save: last.keras overwritten after the
     backup of the last epoch (run 3 restores a finished run: no epoch runs)."""
-    reference = faults.start_child(tmp_path, "reference", "--backup", str(tmp_path / "ref"),
-                                   "--out", str(tmp_path / "reference.json"))
-    try:
-        records, final = faults.fit_chain(tmp_path, [("save", 4), ("save", 5)], kills=2)
-        assert faults.wait_child(reference, tmp_path, "reference") == 0
-    finally:
-        faults.stop_child(reference)
+    tmp_path, (records, final) = _killed(
+        "test_sigkill_inside_saves_of_a_fit_then_resume_ends_as_uninterrupted")
     assert [r["killed"] for r in records] == [True, True]
     # Each kill left its half-written file hidden beside the target, never in its place.
     assert any(n.startswith("generation-000002") for n in records[0]["left"]), records[0]
@@ -150,9 +197,9 @@ def test_sigkill_inside_saves_of_a_fit_then_resume_ends_as_uninterrupted(tmp_pat
     assert "temporary" not in faults.check_files(checkpoints)
 
 
-def test_sigkill_inside_a_model_save_loop_leaves_every_file_loadable(tmp_path):
+def test_sigkill_inside_a_model_save_loop_leaves_every_file_loadable():
     """The loop's 3rd save: its second model.save, over the first one's file."""
-    [record] = faults.save_loop_kills(tmp_path, [("save", 3)], kills=1)
+    _, [record] = _killed("test_sigkill_inside_a_model_save_loop_leaves_every_file_loadable")
     assert record["killed"]
     assert [n.split(".tmp-")[0] for n in record["left"]] == [".model.keras"], record
     assert record["files"] == {"keras": 1, "weights": 1, "saved_model": 1, "tflite": 1,
