@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BUILDERS", "build"]
+__all__ = ["BUILDERS", "build", "xception_downsampling"]
 
 
 def _rng(seed: int = 0):
@@ -316,28 +316,40 @@ def ts_fcn(scale: float = 1.0):
                                     verbose=0)
 
 
+def xception_downsampling(x, entry: int, widths):
+    """keras.io's Xception-style entry and downsampling blocks (the U-Net's
+    encoder, and image_classification_from_scratch's body): a strided
+    ``Conv2D(entry)``, then per width two ``SeparableConv2D`` with
+    ``BatchNormalization``, a strided ``MaxPooling2D`` and a strided 1x1
+    ``Conv2D`` residual."""
+    from keras import layers
+
+    x = layers.Conv2D(entry, 3, strides=2, padding="same")(x)
+    x = layers.BatchNormalization()(x)
+    x = layers.Activation("relu")(x)
+    previous = x
+    for width in widths:
+        x = layers.Activation("relu")(x)
+        x = layers.SeparableConv2D(width, 3, padding="same")(x)
+        x = layers.BatchNormalization()(x)
+        x = layers.Activation("relu")(x)
+        x = layers.SeparableConv2D(width, 3, padding="same")(x)
+        x = layers.BatchNormalization()(x)
+        x = layers.MaxPooling2D(3, strides=2, padding="same")(x)
+        residual = layers.Conv2D(width, 1, strides=2, padding="same")(previous)
+        x = layers.add([x, residual])
+        previous = x
+    return x
+
+
 def unet(scale: float = 1.0):
     import keras
     from keras import layers
 
     size, num_classes = 64, 3
     inputs = keras.Input(shape=(size, size, 3))
-    x = layers.Conv2D(32, 3, strides=2, padding="same")(inputs)
-    x = layers.BatchNormalization()(x)
-    x = layers.Activation("relu")(x)
+    x = xception_downsampling(inputs, 32, [64, 128, 256])
     previous_block_activation = x
-    for filters in [64, 128, 256]:
-        x = layers.Activation("relu")(x)
-        x = layers.SeparableConv2D(filters, 3, padding="same")(x)
-        x = layers.BatchNormalization()(x)
-        x = layers.Activation("relu")(x)
-        x = layers.SeparableConv2D(filters, 3, padding="same")(x)
-        x = layers.BatchNormalization()(x)
-        x = layers.MaxPooling2D(3, strides=2, padding="same")(x)
-        residual = layers.Conv2D(filters, 1, strides=2, padding="same")(
-            previous_block_activation)
-        x = layers.add([x, residual])
-        previous_block_activation = x
     for filters in [256, 128, 64, 32]:
         x = layers.Activation("relu")(x)
         x = layers.Conv2DTranspose(filters, 3, padding="same")(x)

@@ -1,7 +1,7 @@
 """Code users bring, timed against the Keras policy they would have used:
 each variant in a fresh process per round, start-up included.
 
-Two scenarios (issue 39, item 4):
+The scenarios (issue 39, item 4; issue 49, item 4):
 
 * ``small_fit``: the keras-io "customizing what happens in fit" guide's model
   (``Dense(1)`` on 32 features, Adam, MSE + MAE, 1000 rows, batch 32, 3
@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .common import cpu_name
-from .keras_io_examples import BUILDERS
+from .keras_io_examples import BUILDERS, xception_downsampling
 
 __all__ = ["SCENARIOS", "EXAMPLES", "PAIRS", "pairs", "run", "main"]
 
@@ -130,21 +130,7 @@ def sepconv_model(size: int = 64, widths: Sequence[int] = (32, 64, 128)):
     x = layers.RandomFlip("horizontal")(inputs)
     x = layers.RandomRotation(0.1)(x)
     x = layers.Rescaling(1.0 / 255)(x)
-    x = layers.Conv2D(widths[0], 3, strides=2, padding="same")(x)
-    x = layers.BatchNormalization()(x)
-    x = layers.Activation("relu")(x)
-    previous = x
-    for width in widths:
-        x = layers.Activation("relu")(x)
-        x = layers.SeparableConv2D(width, 3, padding="same")(x)
-        x = layers.BatchNormalization()(x)
-        x = layers.Activation("relu")(x)
-        x = layers.SeparableConv2D(width, 3, padding="same")(x)
-        x = layers.BatchNormalization()(x)
-        x = layers.MaxPooling2D(3, strides=2, padding="same")(x)
-        residual = layers.Conv2D(width, 1, strides=2, padding="same")(previous)
-        x = layers.add([x, residual])
-        previous = x
+    x = xception_downsampling(x, widths[0], widths)
     x = layers.SeparableConv2D(2 * widths[-1], 3, padding="same")(x)
     x = layers.BatchNormalization()(x)
     x = layers.Activation("relu")(x)
