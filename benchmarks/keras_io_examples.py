@@ -215,9 +215,13 @@ def structured(scale: float = 1.0):
     lookup = layers.StringLookup(output_mode="one_hot")
     lookup.adapt(ds.map(lambda x, y: x["thal"]))
     encoded.append(lookup(inputs["thal"]))
+    # Keras's mixed policies fail in Normalization.adapt on a dataset ("expected
+    # to be a float tensor but is a bfloat16 tensor"): there a user writes
+    # dtype="float32", as done here (keras-mp adapts in float32 by itself).
+    keras_mixed = keras.mixed_precision.global_policy().name.startswith("mixed_")
     for name in numeric:
         inputs[name] = keras.Input(shape=(1,), name=name)
-        norm = layers.Normalization()
+        norm = layers.Normalization(dtype="float32" if keras_mixed else None)
         norm.adapt(ds.map(lambda x, y, name=name: tf.expand_dims(
             tf.cast(x[name], "float32"), -1)))
         encoded.append(norm(inputs[name]))
