@@ -80,8 +80,8 @@ def adaptive_layers(model: keras.Model, policy: AdaptivePolicy) -> list[keras.la
     layers (their dtype belongs to the quantization), except the
     float8-capable layers the policy switches (:mod:`keras_mp.adaptive.evidence.float8`),
     and layers that compute in no floating dtype whatever their policy says
-    (Keras's ``IntegerLookup``, ``StringLookup`` and ``Hashing`` report
-    ``int64`` or ``string``: keras.io's structured-data example crashed the
+    (Keras's ``IntegerLookup``, ``StringLookup``, ``Hashing`` in its integer
+    mode and ``TextVectorization`` report ``int64`` or ``string``: keras.io's structured-data example crashed the
     statistics step on them).
 
     Example:
