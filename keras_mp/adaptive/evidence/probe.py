@@ -153,6 +153,12 @@ def _float32_pass(model, policy, layers, tvars, factors, batch):
     float32 = {layer.path: "float32" for layer in layers}
     leaves = tf.nest.flatten(batch)
     present = [i for i, t in enumerate(leaves) if t is not None]
+    if any(isinstance(leaves[i], (tf.RaggedTensor, tf.SparseTensor)) for i in present):
+        # No fixed signature for these: each batch size traced on its own, as before.
+        def traced_each_time(rows):
+            with policy.overriding(float32):
+                return _loss_and_grads(model, *rows, tf.constant(1.0), tvars, factors)
+        return traced_each_time
 
     def specs():
         out = []
