@@ -585,6 +585,18 @@ CASES = [
         _model(), "run", len), TypeError, "`run`"),
     ("adaptive.integration.step_functions.probe_function", lambda: step_functions.probe_function(
         _model(), len, None), TypeError, "`accumulate`"),
+    ("adaptive.integration.step_functions.probe_function", lambda: step_functions.probe_function(
+        _model(), len, len, eager=1), TypeError, "`eager`"),
+    ("adaptive.integration.step_functions.eager_probes", lambda: step_functions.eager_probes(
+        "model", 10, 2, None), TypeError, "`model`"),
+    ("adaptive.integration.step_functions.eager_probes", lambda: step_functions.eager_probes(
+        _model(), -1, 2, None), ValueError, "`expected`"),
+    ("adaptive.integration.step_functions.eager_probes", lambda: step_functions.eager_probes(
+        _model(), 10, 2.5, None), ValueError, "`probe_every`"),
+    ("adaptive.integration.step_functions.replayed", lambda: step_functions.replayed(
+        (1, 2), iter([])), TypeError, "`batches`"),
+    ("execution.replay.iterator_over", lambda: execution.replay.iterator_over(
+        (1, 2), None), TypeError, "`batches`"),
     ("adaptive.integration.step_functions.StepFunctions", lambda: step_functions.StepFunctions(
         _model(), None, "hooks", len, probe=None, gateable=True), TypeError, "`hooks`"),
     ("adaptive.integration.step_functions.StepFunctions", lambda: step_functions.StepFunctions(

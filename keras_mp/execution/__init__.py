@@ -90,7 +90,7 @@ length, the model's signature; what start-up measures is kept on disk by
 """
 
 from keras_mp.execution import (choice, fused_update, inference, micro_benchmark, native_update,
-                                placement, reasons, start_up, step_trial)
+                                placement, reasons, replay, start_up, step_trial)
 from keras_mp.execution.choice import (ENV_VAR, MAPS_BUDGET, MODES, candidate_modes, chosen,
                                        configure, measuring, trace_scope)
 from keras_mp.execution.placement import epilogue
@@ -99,4 +99,5 @@ from keras_mp.execution.micro_benchmark import MARGIN, ExecutionProfile, choose,
 __all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose",
            "configure", "chosen", "measuring", "candidate_modes", "trace_scope", "epilogue", "choice",
            "fused_update", "inference",
-           "micro_benchmark", "native_update", "placement", "reasons", "start_up", "step_trial"]
+           "micro_benchmark", "native_update", "placement", "reasons", "replay", "start_up",
+           "step_trial"]

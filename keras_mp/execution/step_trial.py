@@ -94,6 +94,7 @@ import tensorflow as tf
 from keras_mp import _installed
 from keras_mp.device import cache as disk
 from keras_mp.device import memory
+from keras_mp.execution import replay
 
 __all__ = ["PAIRS", "MEMORY_BUDGET", "Record", "StepTrial", "FirstCallGuard",
            "calls_to_decide", "training_state"]
@@ -184,13 +185,17 @@ def _replayable(iterator, count: int) -> Callable[[], Any]:
     For a ``tf.data`` iterator the new one has the same element spec, so
     Keras's train function takes its iterator path and traces it once for
     this call and all later ones (a list of batches would trace a second
-    function, ``one_step_on_data``, called from eager code, for one call).
+    function, ``one_step_on_data``, called from eager code, for one call):
+    made from the tensors where it can be (:mod:`keras_mp.execution.replay`,
+    no Python inside the timed call), from a generator otherwise.
     Where the spec cannot be rebuilt (a distributed iterator), the elements
     come back as a list, which Keras's train function also accepts.
     """
     batch = _take(iterator, count)
     if isinstance(iterator, tf.data.Iterator):
         spec = iterator.element_spec
+        if replay.iterator_over(batch, spec) is not None:
+            return lambda: replay.iterator_over(batch, spec)
         try:
             def make():
                 return iter(tf.data.Dataset.from_generator(lambda: iter(batch),

@@ -17,6 +17,7 @@ from keras_mp import callbacks, policies
 from keras_mp.scaling import loss_scale
 from keras_mp.callbacks import AdaptivePrecision
 from keras_mp.adaptive.outputs.report import precision_report
+from keras_mp.adaptive.integration import step_functions
 
 
 def _raw_features(n: int, seed: int):
@@ -316,11 +317,16 @@ class _Counting(keras.layers.Dense):
         return super().call(inputs)
 
 
+@pytest.mark.parametrize("eager", [False, True])
 @pytest.mark.parametrize("steps_per_execution", [1, 2])
-def test_a_probe_step_traces_only_the_probe_and_trains_every_batch(steps_per_execution):
+def test_a_probe_step_traces_only_the_probe_and_trains_every_batch(steps_per_execution, eager,
+                                                                   monkeypatch):
     # The probe step hands its batches to the statistics step's trace: the
     # probe is the only new trace (its configured pass, and its float32 pass
     # traced once for the half and the quarter batch), and every batch trains.
+    # Run eagerly (a fit of few probe calls, step_functions.eager_probes), it
+    # traces nothing: its three passes call the layer once each, per probe.
+    monkeypatch.setattr(step_functions, "EAGER_PROBES", 100 if eager else -1)
     traced, iterations, probes = {}, {}, {}
     for probe_every in (None, 2):
         keras.utils.set_random_seed(0)
@@ -335,10 +341,26 @@ def test_a_probe_step_traces_only_the_probe_and_trains_every_batch(steps_per_exe
         traced[probe_every] = _Counting.traced
         iterations[probe_every] = int(model.optimizer.iterations)
         probes[probe_every] = cb._stats.read().probe_steps
-    assert traced[2] - traced[None] == 2
-    assert iterations == {None: 9, 2: 9}
+        assert getattr(cb._probe_step, "eager", False) is (eager and probe_every is not None)
     calls = -(-9 // steps_per_execution)
+    assert traced[2] - traced[None] == (3 * (calls // 2) if eager else 2)
+    assert iterations == {None: 9, 2: 9}
     assert probes == {None: 0, 2: calls // 2}
+
+
+def test_a_short_fit_probes_eagerly_and_a_long_one_traced():
+    # The rule is the fit's count of probe calls (expected calls, probe_every,
+    # the early decision): a fixed rule, no timing.
+    model = _small("adaptive_bfloat16")
+    assert step_functions.eager_probes(model, 69, 200, 20)
+    assert step_functions.eager_probes(model, 3 * 200 - 1, 200, 20)
+    assert not step_functions.eager_probes(model, 3 * 200, 200, 20)
+    assert not step_functions.eager_probes(model, None, 200, 20)  # length unknown
+    cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=4, first_decision=2)
+    model.fit(*_xy(96), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 12 calls, 4 probes
+    assert not getattr(cb._probe_step, "eager", False)
+    model.fit(*_xy(40), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 5 calls, 1 probe
+    assert cb._probe_step.eager and cb._stats.read().probe_steps >= 1
 
 
 def test_the_probe_under_mirrored_strategy_counts_once_per_probe():

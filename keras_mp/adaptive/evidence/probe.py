@@ -149,16 +149,20 @@ def _float32_pass(model, policy, layers, tvars, factors, batch):
     each trace of a forward and backward pass is a third of the probe's
     start-up (keras.io's functional-API guide model, two LSTMs: 0.6-0.8 s of
     tracing each, 2-core AMD EPYC). Inside another trace it is one function
-    call."""
+    call; run eagerly (an eager probe step,
+    :func:`keras_mp.adaptive.integration.step_functions.eager_probes`), it traces
+    nothing."""
     float32 = {layer.path: "float32" for layer in layers}
     leaves = tf.nest.flatten(batch)
     present = [i for i, t in enumerate(leaves) if t is not None]
-    if any(isinstance(leaves[i], (tf.RaggedTensor, tf.SparseTensor)) for i in present):
-        # No fixed signature for these: each batch size traced on its own, as before.
-        def traced_each_time(rows):
+    if tf.executing_eagerly() or any(isinstance(leaves[i], (tf.RaggedTensor, tf.SparseTensor))
+                                     for i in present):
+        # Run eagerly (nothing traced), or inside the caller's trace: ragged
+        # and sparse inputs have no fixed signature here.
+        def each_time(rows):
             with policy.overriding(float32):
                 return _loss_and_grads(model, *rows, tf.constant(1.0), tvars, factors)
-        return traced_each_time
+        return each_time
 
     def specs():
         out = []

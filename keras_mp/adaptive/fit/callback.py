@@ -12,16 +12,17 @@ What the callback does, and when:
   dtype (:mod:`~keras_mp.adaptive.storage.frozen`). With float32 the only candidate it does
   nothing else. Otherwise it installs the model's
   :class:`~keras_mp.adaptive.evidence.hooks.Hooks` (forward statistics, the probe), attaches a
-  :class:`~keras_mp.adaptive.evidence.stats.LayerStatistics` and wraps the optimizer in a :class:`keras_mp.LossScaleOptimizer` whose ``statistics_sink`` is
-  the statistics (:func:`~keras_mp.adaptive.integration.optimizer_setup.connect`): a dynamic loss
-  scale where float16 is a candidate or ``loss_scale`` is given, ``FixedLossScale(1.0)``
-  elsewhere, only to skip non-finite steps (:mod:`~keras_mp.adaptive.integration.skipping`).
+  :class:`~keras_mp.adaptive.evidence.stats.LayerStatistics` and wraps the optimizer in a
+  :class:`keras_mp.LossScaleOptimizer` whose ``statistics_sink`` is the statistics
+  (:func:`~keras_mp.adaptive.integration.optimizer_setup.connect`): a dynamic loss scale where
+  float16 is a candidate or ``loss_scale`` is given, ``FixedLossScale(1.0)`` elsewhere, only to
+  skip non-finite steps (:mod:`~keras_mp.adaptive.integration.skipping`).
 * per train-function call, it picks a step: plain, statistics (gradient and forward statistics,
   one in ``statistics_every``) or probe (statistics plus the float32 probe, one in
   ``probe_every``). Plain and statistics steps share one trace whose statistics run only when a
   switch is on (:mod:`~keras_mp.adaptive.evidence.hooks`); the execution trial times its plain
-  steps. The probe is traced on its own and runs on the batch the statistics step then trains on
-  (:mod:`~keras_mp.adaptive.integration.step_functions`);
+  steps. The probe is traced on its own (eager in a fit of few probe calls) and runs on the
+  batch the statistics step then trains on (:mod:`~keras_mp.adaptive.integration.step_functions`);
 * after ``first_decision`` calls (early judgement), then every ``interval`` calls: reads the
   statistics once, asks :func:`~keras_mp.adaptive.decisions.controller.decide`, assigns the new
   dtypes in the policy and rebuilds the train functions only if a dtype (or a trial) changed.
@@ -167,18 +168,14 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self._first: int | None = None  # this fit's early decision (step_functions.first_call)
         self._first_start = 0  # ... and where its window began
         self._expected: int | None = None  # this fit's calls, where known (set_params)
-        self.log_dir = log_dir
-        self.verbose = verbose
-        self.history_logs = history_logs
+        self.log_dir, self.verbose, self.history_logs = log_dir, verbose, history_logs
         self.events: list[dict[str, Any]] = []
         self.scale_events: list[dict[str, Any]] = []
         self._functions: step_functions.StepFunctions | None = None
-        self._writer = None
-        self._policy: AdaptivePolicy | None = None
-        self._inert = False
+        self._writer, self._inert, self._policy = None, False, None
         self._configured = self._retrace = False  # the execution choice taken (_configure)
         self._calls = self._epoch_switches = 0
-        self._restored = False
+        self._restored = False  # a checkpoint's state adopted (on_epoch_begin)
         self._probe_fn = self._probe_step = None  # the probe; its traced step, for fit, probe()
 
     # -- set-up ------------------------------------------------------------
@@ -290,12 +287,15 @@ class AdaptivePrecision(keras.callbacks.Callback):
         return run
 
     def _probe_function(self):
-        """The probe traced on its own (for fit's probe steps and for
-        :meth:`probe`), anew whenever the train functions are: the dtypes
-        and trials it runs are fixed when it is traced."""
-        if self._probe_step is None:
+        """The probe (fit's probe steps, :meth:`probe`): traced on its own anew whenever the train
+        functions are (the dtypes and trials it runs are fixed then), or eager in a fit of few
+        probe calls (:func:`~keras_mp.adaptive.integration.step_functions.eager_probes`)."""
+        eager = step_functions.eager_probes(self.model, self._expected, self.probe_every,
+                                            self._first)
+        if self._probe_step is None or getattr(self._probe_step, "eager", False) != eager:
             self._probe_step = step_functions.probe_function(
-                self.model, self._probe_fn or self._make_probe(), self._stats.accumulate_probe)
+                self.model, self._probe_fn or self._make_probe(), self._stats.accumulate_probe,
+                eager=eager)
         return self._probe_step
 
     def _trial_dtypes(self) -> dict[str, str]:
@@ -340,7 +340,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
             probes = self._probe_fn is not None and bool(self.probe_every)
             self._functions = step_functions.StepFunctions(
                 self.model, self._optimizer, self._hooks, self._stats.accumulate,
-                probe=self._probe_function() if probes else None, gateable=self._gateable())
+                probe=(lambda batch: self._probe_function()(batch)) if probes else None,
+                gateable=self._gateable())
         return self._functions.functions
 
     # -- Keras hooks -------------------------------------------------------
