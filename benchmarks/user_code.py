@@ -44,7 +44,8 @@ on a shared machine falls on every variant alike; medians and spreads
 (max - min) of each clock are reported, with the machine's CPU.
 
 Run: ``python -m benchmarks.user_code [--scenario small_fit|sepconv|EXAMPLE|examples]
-[--rounds 5] [--scale 1]`` (``examples``: every example in turn).
+[--rounds 5] [--scale 1] [--policy adaptive]`` (``examples``: every example in turn;
+``--policy``: that keras_mp policy's pair alone).
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def _stats(values: list[float]) -> dict[str, Any]:
 
 
 def run(scenario: str = "small_fit", rounds: int = 5, cache: str | None = None,
-        log=print, scale: float = 1.0) -> dict[str, Any]:
+        log=print, scale: float = 1.0, policy: str | None = None) -> dict[str, Any]:
     """Times ``scenario``'s pairs in ``rounds`` interleaved rounds, each
     variant in a fresh process; returns per variant the median and spread of
     CPU and wall seconds and per pair the ratios (keras_mp / Keras).
@@ -221,7 +222,8 @@ def run(scenario: str = "small_fit", rounds: int = 5, cache: str | None = None,
     keras.io examples :data:`EMPTY`, an empty one per process, as on a first
     run; for the others a fresh directory the first round fills; ``"off"``:
     none);
-    ``scale``: the examples' data (:mod:`benchmarks.keras_io_examples`)."""
+    ``scale``: the examples' data (:mod:`benchmarks.keras_io_examples`);
+    ``policy``: only the pair of this keras_mp policy (None: every pair)."""
     if scenario not in PAIRS:
         raise ValueError(f"`scenario` must be one of {SCENARIOS}, got {scenario!r}.")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -231,6 +233,11 @@ def run(scenario: str = "small_fit", rounds: int = 5, cache: str | None = None,
     if cache is None:
         cache = EMPTY if scenario in EXAMPLES else tempfile.mkdtemp(prefix="keras_mp_cache_")
     compared = pairs(scenario)
+    if policy is not None:
+        if policy not in {mp for mp, _ in compared}:
+            raise ValueError(f"`policy` must be one of {sorted({mp for mp, _ in compared})} "
+                             f"for {scenario!r}, got {policy!r}.")
+        compared = tuple(p for p in compared if p[0] == policy)
     variants = [v for pair in compared for v in pair]
     clocks = ("cpu_s", "wall_s", "fit_wall_s") if scenario in EXAMPLES else ("cpu_s", "wall_s")
     samples: dict[str, dict[str, list[float]]] = {v: {c: [] for c in clocks} for v in variants}
@@ -260,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "'empty': a new one per process, the examples' default)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="the keras.io examples' data, times their shrunk sizes")
+    parser.add_argument("--policy", default=None,
+                        help="only the pair of this keras_mp policy (adaptive, adaptive_float16)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -269,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = []
     for scenario in (EXAMPLES if args.scenario == "examples" else (args.scenario,)):
         # A fresh cache per scenario unless one is named: each starts empty.
-        result = run(scenario, args.rounds, args.cache, scale=args.scale)
+        result = run(scenario, args.rounds, args.cache, scale=args.scale, policy=args.policy)
         results.append(result)
         print(f"{result['scenario']}, {result['rounds']} interleaved rounds, fresh processes, "
               f"{result['cpu']} ({result['cores']} cores), cache {result['cache']}")

@@ -23,6 +23,7 @@ def test_adaptive_is_compared_with_the_keras_policy_of_the_dtype_it_picks_here()
     (lambda: user_code.run("nope"), "`scenario` must be one of"),
     (lambda: user_code.run("ts_fcn", rounds=0), "`rounds` must be an int >= 1"),
     (lambda: user_code.run("ts_fcn", scale=0), r"`scale` must be a number in \(0, 100\]"),
+    (lambda: user_code.run("ts_fcn", policy="mixed_float16"), "`policy` must be one of"),
     (lambda: keras_io_examples.build("nope"), "`name` must be one of"),
     (lambda: keras_io_examples.build("unet", scale=True), "`scale` must be a number"),
 ])
