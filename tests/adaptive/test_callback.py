@@ -353,11 +353,14 @@ def test_a_short_fit_probes_eagerly_and_a_long_one_traced():
     # the early decision): a fixed rule, no timing.
     model = _small("adaptive_bfloat16")
     assert step_functions.eager_probes(model, 69, 200, 20)
-    assert step_functions.eager_probes(model, 3 * 200 - 1, 200, 20)
-    assert not step_functions.eager_probes(model, 3 * 200, 200, 20)
+    most = step_functions.EAGER_PROBES
+    assert step_functions.eager_probes(model, most * 200 - 1, 200, 20)
+    assert not step_functions.eager_probes(model, most * 200, 200, 20)
+    assert step_functions.eager_probes(model, most * 200, 200, None)  # no early probe
     assert not step_functions.eager_probes(model, None, 200, 20)  # length unknown
-    cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=4, first_decision=2)
-    model.fit(*_xy(96), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 12 calls, 4 probes
+    cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=2, first_decision=2)
+    assert 1 + 24 // 2 > most
+    model.fit(*_xy(96), batch_size=4, epochs=1, verbose=0, callbacks=[cb])  # 24 calls, 13 probes
     assert not getattr(cb._probe_step, "eager", False)
     model.fit(*_xy(40), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 5 calls, 1 probe
     assert cb._probe_step.eager and cb._stats.read().probe_steps >= 1
