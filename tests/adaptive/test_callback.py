@@ -366,6 +366,17 @@ def test_a_short_fit_probes_eagerly_and_a_long_one_traced():
     assert cb._probe_step.eager and cb._stats.read().probe_steps >= 1
 
 
+def test_per_layer_loss_scales_keep_the_probe_traced_in_a_short_fit():
+    # Run eagerly, a layer's input reaches its loss-scale boundary already
+    # cast to float16 (no float32 source to find), so the gradient it hands
+    # back rounds in float16 at the global scale: the probe stays traced.
+    model = _small(keras_mp.AdaptivePolicy(("float16", "float32"), layer_loss_scales=True))
+    cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=2, first_decision=2)
+    model.fit(*_xy(40), batch_size=8, epochs=1, verbose=0, callbacks=[cb])  # 5 calls, 3 probes
+    assert step_functions.eager_probes(model, 5, 2, 2)
+    assert cb._probe_step is not None and not getattr(cb._probe_step, "eager", False)
+
+
 def test_the_probe_under_mirrored_strategy_counts_once_per_probe():
     with two_replica_mirrored_strategy().scope():
         model = _small("adaptive_bfloat16")
