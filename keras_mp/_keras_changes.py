@@ -149,6 +149,15 @@ ON_IMPORT: tuple[Change, ...] = (
            "assign is read first, so that a step skipped for non-finite gradients puts it back",
            "3.15.1", "keras_mp.adaptive.integration.skipping",
            _call("keras_mp.adaptive.integration.skipping", "install")),
+    Change("probe_draws", "feature",
+           ("keras.src.backend.tensorflow.random:dropout",
+            "keras.src.backend.tensorflow.random:uniform"),
+           "inside the adaptive probe's passes, dropout masks and 16-bit uniform noise are "
+           "drawn in "
+           "float32, so that a 16-bit pass and the float32 one drop the same elements; "
+           "elsewhere Keras's draws run unchanged",
+           "3.15.1", "keras_mp.adaptive.evidence.same_draws",
+           _call("keras_mp.adaptive.evidence.same_draws", "install")),
     Change("float8_layers", "feature",
            ("keras.layers:Dense._float8_call", "keras.layers:EinsumDense._float8_call"),
            "a layer holding keras-mp's Float8Policy trains in float8 only while the controller "

@@ -6,8 +6,9 @@ still ends far worse than in float32 (bfloat16's spacing at 1000 is 8). The
 probe measures it directly. On a probe step, before the real update, the
 first half of the batch runs in three passes, one after another, each inside
 a ``StatelessScope`` so nothing is applied (no weight, no optimizer slot, no
-BatchNormalization statistic, no metric, and the same dropout masks in every
-run):
+BatchNormalization statistic, no metric), with the same dropout masks in every
+run (the same seeds, and masks drawn in float32 whatever the pass's dtype:
+:mod:`keras_mp.adaptive.evidence.same_draws`):
 
 1. with every controlled layer in float32: the reference;
 2. as configured, every controlled layer in its current dtype (layers on
@@ -75,6 +76,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
+from keras_mp.adaptive.evidence.same_draws import same_draws
 from keras_mp.adaptive.evidence.stats import learned_variables, variable_path
 
 __all__ = ["ProbeResult", "probe", "after"]
@@ -113,9 +115,10 @@ def _loss_and_grads(model, x, y, sample_weight, scale, tvars, factors=None):
     a ``StatelessScope``: nothing is applied (weights, slots, statistics,
     seeds). Keras reads a regularized weight from the scope (None where the
     scope holds no value for it), and keeps ``add_loss`` terms made in one
-    only when asked to collect them."""
+    only when asked to collect them. Dropout masks and noise are drawn in
+    float32 whatever the pass's dtypes (:func:`same_draws`)."""
     regularized = [v for v in model.trainable_weights if v.regularizer is not None]
-    with tf.GradientTape() as tape:
+    with tf.GradientTape() as tape, same_draws():
         # Read inside the tape: the scope's values carry the gradients of the
         # regularization terms to the variables.
         values = [(v, v.value) for v in regularized]
