@@ -96,14 +96,12 @@ def _dropout(inputs, rate, noise_shape=None, seed=None):
     return x * tf.cast(mask, x.dtype)
 
 
-def _noise(name: str):
-    def draw(shape, *args, dtype=None, seed=None, **kwargs):
-        original = _original[name]
-        if not (active() and _narrow(dtype)):
-            return original(shape, *args, dtype=dtype, seed=seed, **kwargs)
-        return tf.cast(original(shape, *args, dtype="float32", seed=seed, **kwargs), dtype)
-    draw.__name__ = draw.__qualname__ = name
-    return draw
+def _uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
+    original = _original["uniform"]
+    if not (active() and _narrow(dtype)):
+        return original(shape, minval=minval, maxval=maxval, dtype=dtype, seed=seed)
+    return tf.cast(original(shape, minval=minval, maxval=maxval, dtype="float32", seed=seed),
+                   dtype)
 
 
 def install() -> None:
@@ -112,7 +110,7 @@ def install() -> None:
     if _original:
         return
     module = importlib.import_module(MODULE)
-    wrappers = {"dropout": _dropout, "uniform": _noise("uniform")}
+    wrappers = {"dropout": _dropout, "uniform": _uniform}
     for name, wrapper in wrappers.items():
         _original[name] = getattr(module, name)
         wrapper.__wrapped__ = _original[name]
