@@ -358,6 +358,9 @@ def test_a_short_fit_probes_eagerly_and_a_long_one_traced():
     assert not step_functions.eager_probes(model, most * 200, 200, 20)
     assert step_functions.eager_probes(model, most * 200, 200, None)  # no early probe
     assert not step_functions.eager_probes(model, None, 200, 20)  # length unknown
+    quantized = _small("adaptive_float16")
+    quantized.quantize("float8", filters=lambda layer: layer is quantized.layers[0])
+    assert not step_functions.eager_probes(quantized, 69, 200, 20)  # Keras's float8 call
     cb = AdaptivePrecision(interval=100, statistics_every=2, probe_every=2, first_decision=2)
     assert 1 + 24 // 2 > most
     model.fit(*_xy(96), batch_size=4, epochs=1, verbose=0, callbacks=[cb])  # 24 calls, 13 probes

@@ -86,8 +86,10 @@ def eager_probes(model: keras.Model, expected: int | None, probe_every: int | No
     fit of ``expected`` train-function calls (None: unknown) that probes on
     its early decision's call ``first`` (None: none) and on one call in
     ``probe_every`` makes at most :data:`EAGER_PROBES` probe calls, and the
-    model has no distribution strategy of its own. A fixed rule (no timing),
-    so a seeded fit runs its probe alike every time.
+    model has no distribution strategy of its own and no layer Keras
+    quantized (its float8 training call's custom gradient fails under an
+    eager tape: "too many values to unpack"). A fixed rule (no timing), so a
+    seeded fit runs its probe alike every time.
 
     Why: a traced probe is a trace and graph optimization of three forward
     and backward passes, paid once per set of dtypes (again after each
@@ -116,6 +118,8 @@ def eager_probes(model: keras.Model, expected: int | None, probe_every: int | No
                                   or value < 0):
             raise ValueError(f"`{name}` must be an int >= 0 or None, got {value!r}.")
     if expected is None or getattr(model, "_distribute_strategy", None) is not None:
+        return False
+    if any(getattr(layer, "quantization_mode", None) for layer in model._flatten_layers()):
         return False
     probes = (1 if first is not None and 0 < first <= expected else 0) + \
         (expected // probe_every if probe_every else 0)
