@@ -153,9 +153,8 @@ ON_IMPORT: tuple[Change, ...] = (
            ("keras.src.backend.tensorflow.random:dropout",
             "keras.src.backend.tensorflow.random:uniform"),
            "inside the adaptive probe's passes, dropout masks and 16-bit uniform noise are "
-           "drawn in "
-           "float32, so that a 16-bit pass and the float32 one drop the same elements; "
-           "elsewhere Keras's draws run unchanged",
+           "drawn in float32, so that a 16-bit pass and the float32 one drop the same "
+           "elements; elsewhere Keras's draws run unchanged",
            "3.15.1", "keras_mp.adaptive.evidence.same_draws",
            _call("keras_mp.adaptive.evidence.same_draws", "install")),
     Change("float8_layers", "feature",

@@ -48,6 +48,7 @@ import contextlib
 import importlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import tensorflow as tf
 
@@ -57,7 +58,7 @@ __all__ = ["MODULE", "active", "install", "same_draws"]
 MODULE = "keras.src.backend.tensorflow.random"
 _NARROW = (tf.bfloat16, tf.float16)
 _local = threading.local()
-_original: dict[str, object] = {}
+_original: dict[str, Any] = {}   # Keras's functions, and "module": the module holding them
 
 
 def active() -> bool:
@@ -90,8 +91,7 @@ def _dropout(inputs, rate, noise_shape=None, seed=None):
     x = tf.convert_to_tensor(inputs)
     if x.dtype not in _NARROW:
         return original(inputs, rate, noise_shape=noise_shape, seed=seed)
-    module = importlib.import_module(MODULE)
-    shape = module._get_concrete_noise_shape(x, noise_shape)
+    shape = _original["module"]._get_concrete_noise_shape(x, noise_shape)
     mask = original(tf.ones(shape, tf.float32), rate, seed=seed)
     return x * tf.cast(mask, x.dtype)
 
@@ -115,3 +115,4 @@ def install() -> None:
         _original[name] = getattr(module, name)
         wrapper.__wrapped__ = _original[name]
         setattr(module, name, wrapper)
+    _original["module"] = module

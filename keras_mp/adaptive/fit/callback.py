@@ -289,13 +289,13 @@ class AdaptivePrecision(keras.callbacks.Callback):
     def _probe_function(self):
         """The probe (fit's probe steps, :meth:`probe`): traced on its own anew whenever the train
         functions are (the dtypes and trials it runs are fixed then), or eager in a fit of few
-        probe calls (:func:`~keras_mp.adaptive.integration.step_functions.eager_probes`) without
-        per-layer loss scales (eager tensors keep no float32 source at a boundary: cast_source)."""
-        eager = not self._scales.per_layer and step_functions.eager_probes(
-            self.model, self._expected, self.probe_every, self._first)
+        probe calls (:func:`~keras_mp.adaptive.integration.step_functions.eager_probes`)."""
+        eager = step_functions.eager_probes(self.model, self._expected, self.probe_every,
+                                            self._first)
         if self._probe_step is None or getattr(self._probe_step, "eager", False) != eager:
-            self._probe_step = step_functions.probe_function(self.model, self._probe_fn or \
-                self._make_probe(), self._stats.accumulate_probe, eager=eager)
+            run = self._probe_fn or self._make_probe()
+            self._probe_step = step_functions.probe_function(
+                self.model, run, self._stats.accumulate_probe, eager=eager)
         return self._probe_step
 
     def _trial_dtypes(self) -> dict[str, str]:

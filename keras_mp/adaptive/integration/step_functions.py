@@ -86,7 +86,10 @@ def eager_probes(model: keras.Model, expected: int | None, probe_every: int | No
     fit of ``expected`` train-function calls (None: unknown) that probes on
     its early decision's call ``first`` (None: none) and on one call in
     ``probe_every`` makes at most :data:`EAGER_PROBES` probe calls, and the
-    model has no distribution strategy of its own and no layer Keras
+    model has no distribution strategy of its own, no per-layer loss scales
+    (run eagerly, a layer's input reaches its loss-scale boundary already cast
+    to float16, so the gradient it hands back rounds there:
+    :func:`keras_mp.scaling.layer_scales.cast_source`) and no layer Keras
     quantized (its float8 training call's custom gradient fails under an
     eager tape: "too many values to unpack"). A fixed rule (no timing), so a
     seeded fit runs its probe alike every time.
@@ -118,6 +121,9 @@ def eager_probes(model: keras.Model, expected: int | None, probe_every: int | No
                                   or value < 0):
             raise ValueError(f"`{name}` must be an int >= 0 or None, got {value!r}.")
     if expected is None or getattr(model, "_distribute_strategy", None) is not None:
+        return False
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, LossScaleOptimizer) and optimizer.layer_scales:
         return False
     if any(getattr(layer, "quantization_mode", None) for layer in model._flatten_layers()):
         return False
