@@ -88,8 +88,10 @@ def test_unknown_batch_size_gives_the_static_statistics(dtype, rows):
 
 def test_a_statistics_trace_costs_few_graph_nodes_per_layer():
     """Every node of a traced step costs the process memory while the trace
-    lives; comparing each layer's amaxes with its dtype's range per call took
-    72 nodes per layer, once per step for all layers (forward.finish) 48."""
+    lives, and each is made in Python; comparing each layer's amaxes with its
+    dtype's range per call took 72 nodes per layer, once per step for all
+    layers (forward.finish) 48, with each tensor's reductions one call of a
+    function traced once (forward._large_kernel) 6."""
     import keras
 
     from keras_mp.adaptive.evidence.hooks import Hooks
@@ -111,7 +113,38 @@ def test_a_statistics_trace_costs_few_graph_nodes_per_layer():
                     .get_concrete_function(spec).graph.get_operations())
         return len(step.get_concrete_function(spec).graph.get_operations()) - plain
 
-    assert (nodes(30) - nodes(10)) / 20 <= 55
+    assert (nodes(30) - nodes(10)) / 20 <= 12
+
+
+def test_the_large_tensor_kernel_is_traced_once_for_every_shape_and_under_a_tape():
+    # One trace per dtype serves every shape, and a call on a tensor a
+    # gradient tape watches neither retraces it for a gradient nor changes
+    # the tape's gradients.
+    kernel = forward._large_kernel(tf.bfloat16, forward.dtype_tiny("bfloat16"))
+    before = kernel.experimental_get_tracing_count()
+    got = []
+    for shape in ([None, 8], [None, 3, 4], [None]):
+        fn = tf.function(lambda x: forward.call_statistics([x], [x * 2.0], "bfloat16"))
+        x = tf.cast(tf.reshape(tf.range(1, 1 + 24, dtype=tf.float32), [-1] + [
+            d for d in shape[1:]]), tf.bfloat16)
+        got.append(fn.get_concrete_function(tf.TensorSpec(shape, tf.bfloat16))(x).numpy())
+    for row in got:
+        np.testing.assert_allclose(row, [24.0, 48.0, 0.0])
+
+    w = tf.Variable(tf.ones([5, 8]))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.float32)])
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = tf.cast(tf.matmul(x, w), tf.bfloat16)
+            stats = forward.call_statistics([], [y], "bfloat16")
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
+        return stats, tape.gradient(loss, w)
+
+    stats, grad = step(tf.ones([3, 5]))
+    np.testing.assert_allclose(grad.numpy(), np.full([5, 8], 30.0))
+    assert float(stats[1]) == 5.0
+    assert kernel.experimental_get_tracing_count() == max(before, 1)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
