@@ -730,6 +730,7 @@ CASES = [
     ("execution.candidate_modes", lambda: execution.candidate_modes("m"), TypeError, "`model`"),
     ("execution.reasons.graph_only", lambda: execution.reasons.graph_only("m"), TypeError, "`model`"),
     ("execution.reasons.slow_matmul", lambda: execution.reasons.slow_matmul("m"), TypeError, "`model`"),
+    ("execution.reasons.matmul_free", lambda: execution.reasons.matmul_free("m"), TypeError, "`model`"),
     ("execution.reasons.convolution", lambda: execution.reasons.convolution("m"), TypeError, "`model`"),
     ("execution.reasons.update_only", lambda: execution.reasons.update_only("m"), TypeError, "`model`"),
     ("execution.reasons.little_to_compile", lambda: execution.reasons.little_to_compile("m"),

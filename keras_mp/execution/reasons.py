@@ -28,9 +28,8 @@ from keras_mp.execution.placement import (MIN_SHARE, fused_dense_activations,
 from keras_mp.fused import layers as fused_layers
 
 __all__ = ["MAPS_BUDGET", "XLA_MATMUL_FLOOR", "SMALL_OUTPUT", "SHORT_FIT", "maps", "graph_only",
-           "short_fit",
-           "slow_matmul", "convolution", "small_xla_work", "little_to_compile", "update_only",
-           "update_memory", "update_native", "float32_class"]
+           "short_fit", "matmul_free", "slow_matmul", "convolution", "small_xla_work",
+           "little_to_compile", "update_only", "update_memory", "update_native", "float32_class"]
 
 #: Past this fraction of the process's memory maps (:func:`keras_mp.device.xla.memory_maps`),
 #: no new XLA compilation is tried.
@@ -121,8 +120,25 @@ def slow_matmul(model: keras.Model) -> str | None:
     graph's. (On a 2-core AMD EPYC with AVX512-BF16, XLA:CPU's bfloat16 matmul
     ran at 71 GFLOP/s against oneDNN's 147, and the whole bfloat16 step
     under XLA lost on every bench model; each try costs an XLA compilation
-    that stays in memory.)"""
+    that stays in memory.)
+
+    A model whose only weights of two or more dimensions are ``Embedding``
+    tables multiplies no weight matrix (its work is gathers and elementwise
+    ops), so it measures nothing here (:func:`matmul_free`): the profile's
+    matmuls took about 1 s of keras.io's collaborative-filtering fit (2-core
+    AMD EPYC, an empty cache), whose step the trial then ran under XLA.
+
+    Example:
+        >>> import keras
+        >>> recommender = keras.Sequential([keras.Input((2,), dtype="int32"),
+        ...                                 keras.layers.Embedding(100, 8),
+        ...                                 keras.layers.GlobalAveragePooling1D()])
+        >>> slow_matmul(recommender) is None
+        True
+    """
     _check(model)
+    if matmul_free(model):
+        return None
     dtype = narrowest(model)
     speeds = micro_benchmark.profile(steps=False).matmul.get(dtype, {})
     if "xla" not in speeds or "graph" not in speeds:
@@ -131,6 +147,43 @@ def slow_matmul(model: keras.Model) -> str | None:
         return None
     return (f"XLA runs {dtype} matmuls at {speeds['xla']:.0f} GFLOP/s here against "
             f"{speeds['graph']:.0f} as a TensorFlow graph")
+
+
+def matmul_free(model: keras.Model) -> bool:
+    """Whether ``model`` multiplies no weight matrix: it has ``Embedding``
+    tables, and no other layer (nor the model itself) holds a weight of two
+    or more dimensions, or, not built yet, has a ``build`` of its own that
+    could make one (a layer not built whose ``build`` is Keras's base
+    ``Layer``'s, ``Model``'s, ``Sequential``'s or a functional model's makes
+    none). How fast matmuls run decides nothing for such a model. A fixed
+    rule: it reads the model's layers and measures nothing.
+
+    Example:
+        >>> import keras
+        >>> matmul_free(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+        False
+    """
+    _check(model)
+    tables = False
+    for layer in model._flatten_layers(include_self=True):
+        if isinstance(layer, keras.layers.Embedding):
+            tables = True
+            continue
+        own = layer._trainable_variables + layer._non_trainable_variables
+        if any(len(w.shape) >= 2 for w in own):
+            return False
+        if not layer.built and type(layer).build not in _WEIGHTLESS_BUILDS:
+            return False  # its build may make a matrix
+    return tables
+
+
+def _weightless_builds() -> tuple:
+    from keras.src.models.functional import Functional  # no public name
+
+    return (keras.layers.Layer.build, keras.Sequential.build, Functional.build)
+
+
+_WEIGHTLESS_BUILDS = _weightless_builds()
 
 
 #: Convolution layers, which XLA:CPU runs without oneDNN.

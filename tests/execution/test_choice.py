@@ -608,3 +608,55 @@ def test_adaptive_steps_and_the_trial_share_one_trace(monkeypatch, xla_matmuls_n
             assert keras_mp.precision_report(model).skipped_steps in (0, None)
     finally:
         keras_mp.set_global_policy("float32")
+
+
+def test_a_model_of_embedding_tables_alone_times_no_matmuls(monkeypatch):
+    """The matmul profile (about 1 s with an empty cache) decides nothing for
+    a model that multiplies no weight matrix: a recommender of embedding
+    tables (keras.io's collaborative filtering) is not held back from XLA by
+    it and does not run it; a Dense layer, or a subclassed model's own
+    matrix, still asks."""
+    asked = []
+
+    def profile(**kwargs):
+        asked.append(kwargs)
+        raise AssertionError("the matmul profile ran")
+
+    monkeypatch.setattr(execution.reasons.micro_benchmark, "profile", profile)
+
+    class Recommender(keras.Model):
+        def __init__(self, matrix=False):
+            super().__init__()
+            self.users = keras.layers.Embedding(50, 8)
+            self.user_bias = keras.layers.Embedding(50, 1)
+            self.items = keras.layers.Embedding(70, 8)
+            self.matrix = self.add_weight(shape=(8, 8)) if matrix else None
+
+        def call(self, pairs):
+            u, i = self.users(pairs[:, 0]), self.items(pairs[:, 1])
+            if self.matrix is not None:
+                u = u @ self.matrix
+            return keras.ops.sum(u * i, axis=1, keepdims=True) + self.user_bias(pairs[:, 0])
+
+    class Projected(Recommender):
+        def build(self, input_shape):  # may make a matrix: not known before it runs
+            self.projection = self.add_weight(shape=(8, 8))
+
+    model = Recommender()
+    assert execution.reasons.matmul_free(model)  # not built yet, as fit first sees it
+    assert not execution.reasons.matmul_free(Projected())
+    model(np.zeros((2, 2), "int32"))
+    assert execution.reasons.matmul_free(model)
+    assert execution.reasons.slow_matmul(model) is None and not asked
+
+    for other in (Recommender(matrix=True),
+                  keras.Sequential([keras.Input((3,), dtype="int32"),
+                                    keras.layers.Embedding(10, 4), keras.layers.Flatten(),
+                                    keras.layers.Dense(1)]),
+                  keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])):
+        if isinstance(other, Recommender):
+            other(np.zeros((2, 2), "int32"))
+        assert not execution.reasons.matmul_free(other)
+        with pytest.raises(AssertionError, match="matmul profile ran"):
+            execution.reasons.slow_matmul(other)
+    assert len(asked) == 3
