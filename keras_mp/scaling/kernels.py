@@ -29,6 +29,7 @@ Statistics, per gradient tensor (fractions are of the tensor's elements):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -200,6 +201,7 @@ def _tensor_stats(g32: tf.Tensor, scale: tf.Tensor, c: dict[str, tf.Tensor]) -> 
     return tf.concat([[amax], fractions], c["axis0"])
 
 
+@functools.cache
 def _stats_function() -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
     """:func:`_tensor_stats` as one ``tf.function`` for gradients of every
     shape (traced once per process: its signature has none) and never inlined
@@ -209,20 +211,20 @@ def _stats_function() -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
     :func:`keras_mp.adaptive.evidence.forward._large_kernel` for the
     figures). On keras.io's timeseries Transformer (68 gradients, two
     train-step traces in its ``fit``) the gradient statistics took 1.5 of the
-    9.5 s its traces took under cProfile, 0.4 s as calls of this function. Not under XLA: a
-    stride that is not a constant does not compile there (XLA sees every
-    shape anyway)."""
-    global _STATS_FUNCTION
-    if _STATS_FUNCTION is None:
-        def stats(g32, scale):
-            return _tensor_stats(g32, scale, _constants())
-        _STATS_FUNCTION = tf.function(
-            stats, autograph=False, experimental_attributes={"_noinline": True},
-            input_signature=[tf.TensorSpec(None, tf.float32), tf.TensorSpec([], tf.float32)])
-    return _STATS_FUNCTION
+    9.5 s its traces took under cProfile, 0.4 s as calls of this function.
 
+    Where the statistics are an XLA multi-tensor kernel of their own
+    (:func:`keras_mp.device.xla.uses_xla`, GPU and TPU) they stay inline ops
+    with static shapes: XLA needs a constant stride. (In a whole train step
+    compiled by XLA on a CPU the function's call compiles with the step's
+    shapes: ``KERAS_MP_EXECUTION=xla`` fits record their statistics.)
+    """
+    def stats(g32, scale):
+        return _tensor_stats(g32, scale, _constants())
 
-_STATS_FUNCTION = None
+    return tf.function(
+        stats, autograph=False, experimental_attributes={"_noinline": True},
+        input_signature=[tf.TensorSpec(None, tf.float32), tf.TensorSpec([], tf.float32)])
 
 
 def _fused(grads, scale, *, unscale: bool, stats: bool):
