@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import keras
+from keras.src.models.functional import Functional  # no public name
 
 from keras_mp import _installed
 from keras_mp.device import memory, xla
@@ -177,13 +178,8 @@ def matmul_free(model: keras.Model) -> bool:
     return tables
 
 
-def _weightless_builds() -> tuple:
-    from keras.src.models.functional import Functional  # no public name
-
-    return (keras.layers.Layer.build, keras.Sequential.build, Functional.build)
-
-
-_WEIGHTLESS_BUILDS = _weightless_builds()
+#: The ``build`` methods that make no weight of their own (:func:`matmul_free`).
+_WEIGHTLESS_BUILDS = (keras.layers.Layer.build, keras.Sequential.build, Functional.build)
 
 
 #: Convolution layers, which XLA:CPU runs without oneDNN.
