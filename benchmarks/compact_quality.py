@@ -17,7 +17,10 @@ times the machine, and another mode computes other bits):
   ``keras_mp.config.set_compact_moments(True)`` (AdamW's moments in
   bfloat16, the update in float32);
 * ``keras_mp_compact_moments_again``: the same run again, whose weights and
-  optimizer state must equal the first's bit for bit (``digest``).
+  optimizer state must equal the first's bit for bit (``digest``);
+* ``keras_mp_compact``: compact moments and
+  ``keras_mp.config.set_compact_weights(True)`` (the trained weights and
+  their gradients in bfloat16 too, each update rounded stochastically).
 
 Figures: the last epoch's mean training loss, the loss on 256 held-out
 sequences (the last 10 % of the text), each epoch's training loss, and a
@@ -55,7 +58,7 @@ SIZE: dict[str, int] = dict(vocabulary_size=256, num_layers=2, num_query_heads=4
                             hidden_dim=128, intermediate_dim=256, num_key_value_heads=2)
 BATCH, LENGTH, STEPS, EPOCHS, TEXT_BYTES = 16, 128, 100, 10, 2 * 2**20
 VARIANTS: tuple[str, ...] = ("keras_float32", "keras_mp", "keras_mp_compact_moments",
-                             "keras_mp_compact_moments_again")
+                             "keras_mp_compact_moments_again", "keras_mp_compact")
 _MARK = "KERAS_MP_COMPACT_QUALITY "
 
 
@@ -98,7 +101,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         import keras_mp
 
         keras_mp.set_global_policy("adaptive")
-        keras_mp.config.set_compact_moments(variant.startswith("keras_mp_compact_moments"))
+        keras_mp.config.set_compact_moments(variant.startswith("keras_mp_compact"))
+        keras_mp.config.set_compact_weights(variant == "keras_mp_compact")
     data = text()
     split = int(len(data) * 0.9)
     seed = spec.get("seed", 0)

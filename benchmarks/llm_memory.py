@@ -33,7 +33,9 @@ Variants: ``keras_float32``, ``keras_mixed_bfloat16`` (Keras alone,
 ``keras_mp_float32_storage`` is ``keras_mp`` with compact storage off
 (``keras_mp.config.set_compact_storage(False)``): what storing frozen
 weights in bfloat16 saves; ``keras_mp_compact_moments`` is ``keras_mp`` with
-``keras_mp.config.set_compact_moments(True)`` (AdamW's moments in bfloat16).
+``keras_mp.config.set_compact_moments(True)`` (AdamW's moments in bfloat16);
+``keras_mp_compact`` adds ``keras_mp.config.set_compact_weights(True)`` to
+it (the trained weights and their gradients in bfloat16 too).
 ``--repeats N`` runs every variant N times, interleaved, and reports the run
 of median peak (``peak_samples``: all of them).
 
@@ -68,7 +70,8 @@ SIZE: dict[str, int] = dict(vocabulary_size=32000, num_layers=8, num_query_heads
                             hidden_dim=768, intermediate_dim=2048, num_key_value_heads=4)
 BATCH, LENGTH, STEPS, LORA_RANK = 4, 128, 4, 8
 VARIANTS: tuple[str, ...] = ("keras_float32", "keras_mixed_bfloat16", "keras_mp",
-                             "keras_mp_float32_storage", "keras_mp_compact_moments")
+                             "keras_mp_float32_storage", "keras_mp_compact_moments",
+                             "keras_mp_compact")
 TUNINGS: tuple[str, ...] = ("full", "lora")
 _MARK = "KERAS_MP_LLM_MEMORY "
 
@@ -145,7 +148,9 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
         keras_mp.set_global_policy("adaptive")
         keras_mp.config.set_compact_storage(variant != "keras_mp_float32_storage")
-        keras_mp.config.set_compact_moments(variant == "keras_mp_compact_moments")
+        keras_mp.config.set_compact_moments(variant in ("keras_mp_compact_moments",
+                                                        "keras_mp_compact"))
+        keras_mp.config.set_compact_weights(variant == "keras_mp_compact")
     else:
         keras.config.set_dtype_policy(variant.removeprefix("keras_"))
     rng = np.random.default_rng(0)

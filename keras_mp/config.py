@@ -10,6 +10,7 @@
 | frozen weights stored in their layer's compute dtype | :func:`set_compact_storage` | on |
 | one variable kept in float32 whatever the rule | :func:`set_storage` | the rule |
 | Adam's moments in bfloat16, the update in float32 | :func:`set_compact_moments` | off |
+| trained weights (and their gradients) in bfloat16, updates rounded stochastically | :func:`set_compact_weights` | off |
 
 Environment variables, read when used: ``KERAS_MP_EXECUTION`` (the
 execution mode of every model: ``auto``, ``graph``, ``xla_update``, ``xla``,
@@ -34,11 +35,12 @@ from typing import Any
 
 from keras_mp.adaptive.fit import autofit
 from keras_mp.adaptive.integration import skipping
-from keras_mp.adaptive.storage import frozen, moments
+from keras_mp.adaptive.storage import frozen, moments, trained
 from keras_mp.device import xla
 
-__all__ = ["autofit_enabled", "compact_moments", "compact_storage", "min_saving",
-           "set_autofit", "set_compact_moments", "set_compact_storage", "set_execution",
+__all__ = ["autofit_enabled", "compact_moments", "compact_storage", "compact_weights",
+           "min_saving", "set_autofit", "set_compact_moments", "set_compact_storage",
+           "set_compact_weights", "set_execution",
            "set_min_saving", "set_skip_nonfinite", "set_storage", "set_xla", "skip_nonfinite",
            "uses_xla"]
 
@@ -153,6 +155,31 @@ def set_compact_moments(enabled: bool) -> None:
 def compact_moments() -> bool:
     """Whether Adam's moments are stored in bfloat16 (:func:`set_compact_moments`)."""
     return moments.enabled()
+
+
+def set_compact_weights(enabled: bool) -> None:
+    """Whether ``fit`` under an adaptive policy stores the weights that train
+    in bfloat16 where their layer computes in bfloat16, their gradients
+    bfloat16 with them, each update computed in float32 and rounded
+    stochastically (off by default: :mod:`keras_mp.adaptive.storage.trained`
+    says how, and for which optimizers). Off, the next ``fit`` stores them in
+    float32 again.
+
+    Args:
+        enabled: True or False.
+
+    Example:
+        >>> import keras_mp
+        >>> keras_mp.config.set_compact_weights(True); keras_mp.config.compact_weights()
+        True
+        >>> keras_mp.config.set_compact_weights(False)
+    """
+    trained.set_enabled(enabled)
+
+
+def compact_weights() -> bool:
+    """Whether trained weights are stored in bfloat16 (:func:`set_compact_weights`)."""
+    return trained.enabled()
 
 
 def set_storage(model: Any, variable: Any, dtype: str | None) -> None:

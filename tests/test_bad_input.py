@@ -32,7 +32,7 @@ from keras_mp.adaptive.decisions import controller, gain, scale_rule
 from keras_mp.adaptive.evidence import float8, forward, hooks, probe, stats
 from keras_mp.adaptive.record import state as precision_state, timeline
 from keras_mp.adaptive.outputs import report, tensorboard
-from keras_mp.adaptive.storage import frozen, moments, variables as storage_vars
+from keras_mp.adaptive.storage import frozen, moments, trained, variables as storage_vars
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
@@ -58,7 +58,7 @@ MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain
            "adaptive.policy.layer_paths",
            "adaptive.policy.saved_policy", "adaptive.record.state", "adaptive.record.timeline",
            "adaptive.storage", "adaptive.storage.frozen", "adaptive.storage.moments",
-           "adaptive.storage.variables",
+           "adaptive.storage.trained", "adaptive.storage.variables",
            "callbacks", "cli", "cli.command", "cli.demo", "cli.deploy_demo", "config", "datasets",
            "deploy", "deploy.export", "deploy.quantization", "device", "device.capabilities",
            "device.memory", "device.xla", "distribute", "execution", "execution.fused_update",
@@ -82,6 +82,7 @@ NO_ARGUMENTS = {
     "adaptive.fit.autofit.min_saving", "config.autofit_enabled", "config.min_saving",
     "config.skip_nonfinite", "config.compact_storage", "adaptive.storage.frozen.enabled",
     "config.compact_moments", "adaptive.storage.moments.enabled",
+    "config.compact_weights", "adaptive.storage.trained.enabled",
     # what fit was given, read as Keras reads it: None where it says nothing
     "adaptive.decisions.gain.fit_steps",
     "adaptive.policy.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
@@ -219,6 +220,19 @@ CASES = [
      TypeError, "`optimizer`"),
     ("adaptive.storage.moments.apply", lambda: moments.apply("model"), TypeError, "`model`"),
     ("adaptive.storage.moments.apply", lambda: moments.apply(_model()), ValueError, "`model`"),
+    ("config.set_compact_weights", lambda: keras_mp.config.set_compact_weights("yes"),
+     TypeError, "`enabled`"),
+    ("adaptive.storage.trained.set_enabled", lambda: trained.set_enabled(1), TypeError,
+     "`enabled`"),
+    ("adaptive.storage.trained.adam_reason", lambda: trained.adam_reason("adamw"), TypeError,
+     "`optimizer`"),
+    ("adaptive.storage.trained.unsupported_reason", lambda: trained.unsupported_reason(None),
+     TypeError, "`optimizer`"),
+    ("adaptive.storage.trained.allowed", lambda: trained.allowed("model"), TypeError, "`model`"),
+    ("adaptive.storage.trained.mark", lambda: trained.mark("adam", [], False), TypeError,
+     "`optimizer`"),
+    ("execution.compact_update.compact_weight",
+     lambda: compact_update.compact_weight("adam", None), TypeError, "`optimizer`"),
     ("execution.compact_update.applies", lambda: compact_update.applies("adam", None), TypeError,
      "`optimizer`"),
     ("execution.compact_update.adam", lambda: compact_update.adam(None, None, None, 1e-3),

@@ -57,25 +57,44 @@ import keras
 import tensorflow as tf
 
 from keras_mp import _checks as checks
+from keras_mp import _installed
 from keras_mp.device import xla
 
-__all__ = ["MOMENT_DTYPE", "adam", "applies", "dither", "dithered"]
+__all__ = ["MOMENT_DTYPE", "WEIGHTS", "WEIGHT_SALT", "adam", "applies", "compact_weight", "dither",
+           "dithered"]
 
 #: The dtype compact moments are stored in.
 MOMENT_DTYPE = tf.bfloat16
+#: The attribute of an optimizer's :func:`keras_mp._installed.installed`
+#: holder that holds the ids of the trained weights stored in bfloat16.
+WEIGHTS = "compact_weights"
+#: Where a weight's rounding numbers start in the sequence (the second
+#: moment's start at 0): half a period on.
+WEIGHT_SALT = 0x8000
 _LOW = 0xFFFF
 # Odd multipliers: each term runs through all 2**16 values (the step's at
 # about the golden ratio of the period, so consecutive steps spread evenly).
 _ELEMENT, _STEP, _VARIABLE = 20011, 25033, 131
 
 
-def dither(shape, step, variable: int, salt: int) -> tf.Tensor:
+def dither(shape, step, variable: int, salt: int, *, compiled: bool = False) -> tf.Tensor:
     """Numbers in ``[0, 2**16)``, one per element of ``shape``, from the
     element's index, ``step`` and ``variable`` (int32 arithmetic that never
-    overflows), shifted by ``salt`` (an int in ``[0, 2**16)``)."""
+    overflows), shifted by ``salt`` (an int in ``[0, 2**16)``).
+
+    ``compiled``: the caller is XLA-compiled, which needs the number of
+    elements as a constant (and never makes the index as a tensor of its
+    own). Elsewhere the count is a value of the run (``step``'s), so that
+    TensorFlow's graph optimizer cannot fold the index into a constant: 4
+    bytes per element, kept with the graph, 400 MiB on the 100M-parameter
+    Llama of ``benchmarks/llm_memory.py``.
+    """
     checks.count("salt", salt, 0, _LOW)
-    index = tf.reshape(tf.range(tf.reduce_prod(shape), dtype=tf.int32), shape)
     step = tf.bitwise.bitwise_and(tf.cast(step, tf.int32), _LOW)
+    count = tf.cast(tf.reduce_prod(shape), tf.int32)
+    if not compiled:
+        count = count + tf.minimum(step, 0)   # step >= 0: the same count, known only at run time
+    index = tf.reshape(tf.range(count, dtype=tf.int32), shape)
     offset = tf.bitwise.bitwise_and(step * _STEP, _LOW) + (variable % 256) * _VARIABLE + salt
     return tf.bitwise.bitwise_and(
         tf.bitwise.bitwise_and(tf.bitwise.bitwise_and(index, _LOW) * _ELEMENT, _LOW) + offset,
@@ -93,51 +112,93 @@ def dithered(value: tf.Tensor, noise: tf.Tensor) -> tf.Tensor:
 
 
 @xla.jit("elementwise")
-def _adam(gradient, variable, m, v, alpha, beta_1, beta_2, epsilon, step, index):
+def _adam(gradient, variable, m, v, alpha, beta_1, beta_2, epsilon, decay, step, index, compiled):
     f32 = tf.float32
+    g = tf.cast(gradient, f32)
+    w = tf.cast(variable, f32)
+    if variable.dtype != f32:
+        w = w - w * decay    # AdamW's decoupled decay, in float32 (Keras's skipped it)
     m32 = tf.cast(m, f32)
     v32 = tf.cast(v, f32)
-    m32 = m32 + (gradient - m32) * (1.0 - beta_1)
-    v32 = v32 + (tf.square(gradient) - v32) * (1.0 - beta_2)
-    new = variable - alpha * m32 / (tf.sqrt(v32) + epsilon)
-    return new, tf.cast(m32, MOMENT_DTYPE), dithered(v32, dither(tf.shape(v32), step, index, 0))
+    m32 = m32 + (g - m32) * (1.0 - beta_1)
+    v32 = v32 + (tf.square(g) - v32) * (1.0 - beta_2)
+    new = w - alpha * m32 / (tf.sqrt(v32) + epsilon)
+    shape = tf.shape(w)
+    if variable.dtype != f32:
+        new = dithered(new, dither(shape, step, index, WEIGHT_SALT, compiled=compiled))
+    if v.dtype != f32:
+        v32 = dithered(v32, dither(shape, step, index, 0, compiled=compiled))
+    return new, tf.cast(m32, m.dtype), v32
+
+
+def _holds(optimizer: Any, variable: Any) -> tuple[int, Any] | None:
+    """(index, Keras variable) of ``variable`` in ``optimizer``, or None."""
+    try:
+        i = optimizer._get_variable_index(variable)
+    except (KeyError, AttributeError):
+        return None
+    return i, optimizer._trainable_variables[i]
+
+
+def compact_weight(optimizer: Any, variable: Any) -> bool:
+    """Whether ``variable`` is a weight ``optimizer`` trains that
+    :mod:`keras_mp.adaptive.storage.trained` stored in bfloat16 (its update
+    is :func:`adam`'s, its weight decay applied there in float32).
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras optimizer.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"`optimizer` must be a Keras optimizer, got {optimizer!r}.")
+    ids = getattr(_installed.installed(optimizer), WEIGHTS, None)
+    held = _holds(optimizer, variable) if ids else None
+    return held is not None and id(held[1]) in ids and held[1]._dtype == "bfloat16"
 
 
 def applies(optimizer: Any, variable: Any) -> bool:
-    """Whether ``variable``'s moments in ``optimizer`` (an Adam or AdamW,
-    not AMSGrad) are stored in bfloat16."""
+    """Whether ``variable``'s update in ``optimizer`` (an Adam or AdamW, not
+    AMSGrad) is :func:`adam`'s: a float32 variable whose moments are stored
+    in bfloat16, or a weight stored so (:func:`compact_weight`)."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"`optimizer` must be a Keras optimizer, got {optimizer!r}.")
     slots = getattr(optimizer, "_momentums", None)
     if not slots or getattr(optimizer, "amsgrad", True):
         return False
+    if compact_weight(optimizer, variable):
+        return True
+    if variable.dtype != "float32":
+        return False   # a 16-bit variable of the user's own: Keras's update
     i = optimizer._get_variable_index(variable)
     return all(s[i] is not None and s[i]._dtype == "bfloat16"
                for s in (slots, optimizer._velocities))
 
 
 def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any) -> bool:
-    """Applies ``optimizer``'s Adam update of ``variable`` over its bfloat16
-    moments in float32 (see the module's docstring); returns False, doing
-    nothing, where :func:`applies` does not hold or the gradient is not a
-    dense float32 tensor for a float32 variable."""
+    """Applies ``optimizer``'s Adam update of ``variable`` in float32 over its
+    bfloat16 moments or to its bfloat16 weight (see the module's docstring);
+    returns False, doing nothing, where :func:`applies` does not hold or the
+    gradient is not a dense tensor of the variable's dtype or float32."""
     if not applies(optimizer, variable) or not (
-            isinstance(gradient, tf.Tensor) and gradient.dtype == tf.float32
-            and variable.dtype == "float32"):
+            isinstance(gradient, tf.Tensor)
+            and gradient.dtype in (tf.float32, tf.as_dtype(variable.dtype))):
         return False
     i = optimizer._get_variable_index(variable)
     f32 = tf.float32
     step = tf.cast(optimizer.iterations + 1, f32)
     beta_1 = tf.constant(optimizer.beta_1, f32)
     beta_2 = tf.constant(optimizer.beta_2, f32)
-    alpha = tf.cast(learning_rate, f32) * tf.sqrt(1 - tf.pow(beta_2, step)) \
-        / (1 - tf.pow(beta_1, step))
+    lr = tf.cast(learning_rate, f32)
+    alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+    wd = getattr(optimizer, "weight_decay", None)
+    decay = lr * tf.cast(wd, f32) if wd and compact_weight(optimizer, variable) and \
+        _installed.original(optimizer, "_use_weight_decay")(variable) else tf.zeros([], f32)
     m, v = optimizer._momentums[i], optimizer._velocities[i]
-    new, m16, v16 = _adam(gradient, tf.convert_to_tensor(variable), tf.convert_to_tensor(m),
-                          tf.convert_to_tensor(v), alpha, beta_1, beta_2,
-                          tf.constant(optimizer.epsilon, f32),
-                          tf.convert_to_tensor(optimizer.iterations), tf.constant(i, tf.int32))
+    new, m_new, v_new = _adam(gradient, tf.convert_to_tensor(variable), tf.convert_to_tensor(m),
+                              tf.convert_to_tensor(v), alpha, beta_1, beta_2,
+                              tf.constant(optimizer.epsilon, f32), decay,
+                              tf.convert_to_tensor(optimizer.iterations), tf.constant(i, tf.int32),
+                              xla.uses_xla("elementwise"))
     optimizer.assign(variable, new)
-    optimizer.assign(m, m16)
-    optimizer.assign(v, v16)
+    optimizer.assign(m, m_new)
+    optimizer.assign(v, v_new)
     return True

@@ -10,10 +10,13 @@
   ``fit``;
 * :mod:`~keras_mp.adaptive.storage.moments`: Adam's and AdamW's moments in
   bfloat16, the update in float32 (off by default,
-  :func:`keras_mp.config.set_compact_moments`).
+  :func:`keras_mp.config.set_compact_moments`);
+* :mod:`~keras_mp.adaptive.storage.trained`: weights that train, in
+  bfloat16 with their gradients, each update in float32 rounded
+  stochastically (off by default, :func:`keras_mp.config.set_compact_weights`).
 
-Not stored compactly (yet): master weights that train (float32), gradients
-(the variable's dtype), other optimizers' state.
+Not stored compactly (yet): other optimizers' state; the gradients of float32
+weights.
 
 Example:
     >>> from keras_mp.adaptive import storage
@@ -21,6 +24,6 @@ Example:
     True
 """
 
-from keras_mp.adaptive.storage import frozen, moments, variables
+from keras_mp.adaptive.storage import frozen, moments, trained, variables
 
-__all__ = ["frozen", "moments", "variables"]
+__all__ = ["frozen", "moments", "trained", "variables"]

@@ -22,7 +22,10 @@ stored compactly again at its first ``fit``; its values are the file's.
 
 The rule, per variable, in this order (:func:`decide`):
 
-1. it trains: float32 (``trains``);
+1. it trains: float32 (``trains``), unless trained weights may be compact
+   (:mod:`~keras_mp.adaptive.storage.trained`, off by default) and its layer
+   computes in bfloat16: then the rules below decide it, from 3 on, and it
+   is bfloat16 with reason ``trains_compact``;
 2. storage is switched off (:func:`set_enabled`, documented as
    :func:`keras_mp.config.set_compact_storage`): float32 (``switched_off``);
 3. a per-variable override (:func:`set_override`): float32 (``override``);
@@ -73,6 +76,8 @@ import tensorflow as tf
 from keras_mp import _checks as checks
 from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.storage import trained
+from keras_mp.device import memory
 from keras_mp.adaptive.storage import variables as storage_vars
 
 __all__ = ["REASONS", "UNIT_ROUNDOFF", "apply", "cast_error", "decide", "enabled",
@@ -82,6 +87,8 @@ __all__ = ["REASONS", "UNIT_ROUNDOFF", "apply", "cast_error", "decide", "enabled
 REASONS: dict[str, str] = {
     "frozen": "does not train: stored in its layer's compute dtype",
     "trains": "trains: float32",
+    "trains_compact": "trains, stored in bfloat16: updated in float32 and rounded "
+                      "stochastically (keras_mp.config.set_compact_weights)",
     "switched_off": "compact storage is off (keras_mp.config.set_compact_storage)",
     "override": "kept in float32 by keras_mp.config.set_storage",
     "compute_float32": "its layer computes in float32",
@@ -200,10 +207,13 @@ def cast_error(value: Any, dtype: str, chunk: int = 2**20) -> float:
 
 
 def decide(*, trains: bool, compute_dtype: str, read_in_compute: bool, overridden: bool,
-           error: float | Callable[[], float] = 0.0) -> tuple[str, str]:
+           error: float | Callable[[], float] = 0.0,
+           compact_training: bool = False) -> tuple[str, str]:
     """(stored dtype, reason) for one variable (the rule of the module's
     docstring). ``error``: :func:`cast_error` to ``compute_dtype``, or a
-    function computing it, called only when the rule gets that far.
+    function computing it, called only when the rule gets that far;
+    ``compact_training``: whether a weight that trains may be stored in
+    bfloat16 (:func:`keras_mp.adaptive.storage.trained.allowed`).
 
     Example:
         >>> decide(trains=False, compute_dtype="bfloat16", read_in_compute=True,
@@ -215,12 +225,15 @@ def decide(*, trains: bool, compute_dtype: str, read_in_compute: bool, overridde
         >>> decide(trains=True, compute_dtype="bfloat16", read_in_compute=True,
         ...        overridden=False)
         ('float32', 'trains')
+        >>> decide(trains=True, compute_dtype="bfloat16", read_in_compute=True,
+        ...        overridden=False, error=0.002, compact_training=True)
+        ('bfloat16', 'trains_compact')
     """
     if not (callable(error) or checks.is_number(error)):
         raise TypeError(f"`error` must be a number or a function returning one, got {error!r}.")
-    if trains:
+    if trains and not (compact_training and compute_dtype == "bfloat16"):
         return "float32", "trains"
-    if not _state["enabled"]:
+    if not trains and not _state["enabled"]:
         return "float32", "switched_off"
     if overridden:
         return "float32", "override"
@@ -230,7 +243,7 @@ def decide(*, trains: bool, compute_dtype: str, read_in_compute: bool, overridde
         return "float32", "read_in_float32"
     if not (error() if callable(error) else error) <= UNIT_ROUNDOFF[compute_dtype]:
         return "float32", "not_representable"
-    return compute_dtype, "frozen"
+    return compute_dtype, "trains_compact" if trains else "frozen"
 
 
 def read_in_compute_dtype(layer: keras.layers.Layer, variable: Any) -> bool:
@@ -302,10 +315,11 @@ def apply(model: Any, layers=None, *, restore_only: bool = False) -> list[dict[s
         restore_only: True or False.
     """
     policy = _model_policy(model)
-    made = []
+    made, compact = [], []
+    compact_training = trained.allowed(model)
     for layer, v, trains in frozen_variables(model, layers):
         old = storage_vars.stored_dtype(v)
-        if restore_only and not (trains and old != "float32"):
+        if restore_only and not (trains and old != "float32" and not compact_training):
             continue
         record = policy.record(layer.path)
         compute = layer.compute_dtype
@@ -321,9 +335,16 @@ def apply(model: Any, layers=None, *, restore_only: bool = False) -> list[dict[s
         dtype, reason = decide(
             trains=trains, compute_dtype=compute,
             read_in_compute=read_in_compute_dtype(layer, v),
-            overridden=record.get(_OVERRIDE, {}).get(v.name) == "float32", error=error)
+            overridden=record.get(_OVERRIDE, {}).get(v.name) == "float32", error=error,
+            compact_training=compact_training)
         found = dict(dtype=dtype, reason=reason, error=measured[0] if measured else None)
         if storage_vars.store_as(v, dtype):
-            made.append(dict(variable=v.path, old=old, **found))
+            made.append(dict(variable=v.path, old=old, trains=trains, **found))
+        compact += [v] if reason == "trains_compact" else []
         record.setdefault(_RECORD, {}).setdefault(v.name, {}).update(found)
+    restored = [m.pop("trains") for m in made]
+    if made:
+        memory.release_free_heap()   # the float32 values' pages, back to the system
+    trained.mark(getattr(model, "optimizer", None), None if restore_only else compact,
+                 restored=any(restored))
     return made

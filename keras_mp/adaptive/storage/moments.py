@@ -55,11 +55,11 @@ import functools
 from typing import Any
 
 import keras
-import tensorflow as tf
 from keras.src.optimizers import base_optimizer  # no public name
 
 from keras_mp import _installed
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
+from keras_mp.adaptive.storage import trained
 from keras_mp.adaptive.storage import variables as storage_vars
 from keras_mp.execution import native_update, optimizer_state
 
@@ -102,17 +102,7 @@ def unsupported_reason(optimizer: Any) -> str | None:
         >>> unsupported_reason(keras.optimizers.Adam(amsgrad=True))
         'AMSGrad keeps a third moment: not stored compactly'
     """
-    opt = optimizer_state.inner(optimizer)
-    if type(opt) not in SLOTS:
-        names = ", ".join(cls.__name__ for cls in SLOTS)
-        return f"{type(opt).__name__}'s moments are not stored compactly (only {names}'s)"
-    if opt.amsgrad:
-        return "AMSGrad keeps a third moment: not stored compactly"
-    strategy = getattr(opt, "_distribution_strategy", None)
-    if tf.distribute.has_strategy() or (strategy is not None
-                                        and strategy is not tf.distribute.get_strategy()):
-        return "a distribution strategy: moments stay float32"
-    return native_update.unsupported_reason(opt)
+    return trained.adam_reason(optimizer)
 
 
 def _owners(model: keras.Model) -> dict[int, tuple[Any, str]]:
@@ -127,7 +117,7 @@ def _decide(variable: Any, owner: tuple[Any, str] | None) -> str:
     record, name = owner or (None, None)
     kept = record is not None and record.get(_OVERRIDE, {}).get(name) == "float32"
     dtype = "bfloat16" if _state["enabled"] and not kept \
-        and storage_vars.stored_dtype(variable) == "float32" else "float32"
+        and storage_vars.stored_dtype(variable) in ("float32", "bfloat16") else "float32"
     if record is not None:
         record.setdefault(_RECORD, {}).setdefault(name, {})["moments"] = dtype
     return dtype
@@ -199,8 +189,10 @@ def apply(model: Any) -> bool:
     opt = optimizer_state.inner(optimizer)
     owners = _owners(model)
     setattr(_installed.installed(opt), _HELD, owners)   # read by the slots' maker
-    if _state["enabled"]:
-        native_update.install(opt)   # the update over compact moments
+    if _state["enabled"] or trained.enabled():
+        # The update over compact moments; the slots of a bfloat16 weight
+        # are float32 unless compact moments are on (Keras copies its dtype).
+        native_update.install(opt)
         _installed.install_method(opt, "add_variable_from_reference",
                                   functools.partial(_from_reference, opt))
     return _store(opt, owners) if opt.built else False

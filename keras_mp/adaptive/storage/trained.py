@@ -1,0 +1,191 @@
+"""Weights that train, stored in bfloat16: the update in float32, rounded stochastically.
+
+Under an adaptive policy a layer computing in bfloat16 reads every weight in
+bfloat16, yet Keras keeps the float32 "master" copy that each update is
+added to: 4 bytes per parameter, and the gradient of a float32 weight is
+float32 too (4 more). Stored in bfloat16 instead, the weight is 2 bytes and
+so is its gradient (the tape's gradient has the variable's dtype). What goes
+wrong with naive bfloat16 weights (Keras's ``"bfloat16"`` policy) is the
+update: rounded to nearest, an update below half a bfloat16 ulp of its weight
+(2**-9 of it) is lost, so a fine-tune with AdamW at lr 5e-5 does not move at
+all. Here each update is computed in float32 and written back with
+**stochastic rounding** (:func:`keras_mp.execution.compact_update.dithered`):
+rounded up with the probability of its dropped remainder, so its expected
+value is the float32 one and small updates add up::
+
+    w32 = float32(w)
+    w32 -= w32 * lr * weight_decay                  # AdamW, decoupled, in float32
+    m, v = Adam's moments of float32(g)             # in float32 (compact_update)
+    w32 -= alpha * m / (sqrt(v) + epsilon)
+    w = dithered(w32, dither(shape, step, variable, salt))   # stochastic rounding
+
+The rounding's numbers are a deterministic sequence of the element's index,
+the step and the variable (``dither``): a seeded run repeats bit for bit,
+a resumed run continues the sequence, replicas agree.
+
+**Off by default** (:func:`set_enabled`, documented as
+:func:`keras_mp.config.set_compact_weights`). On, at the start of each
+``fit`` of a model under an adaptive policy the rule of
+:mod:`~keras_mp.adaptive.storage.frozen` decides each trained weight as it
+does a frozen one (reason ``"trains_compact"``): bfloat16 where its layer
+computes in bfloat16 and reads it so, no override keeps it in float32, and the
+cast loses no more than a rounding. A layer that computes in float32 (a
+promotion) has its weights in float32 again at the next ``fit``, exactly
+(the bfloat16 value). It applies where the optimizer is an exact
+``keras.optimizers.Adam`` or ``AdamW`` (the update above), without AMSGrad,
+an exponential moving average, gradient accumulation or a distribution
+strategy (:func:`unsupported_reason`); the moments stay float32 unless
+:func:`keras_mp.config.set_compact_moments` stores them in bfloat16 too.
+
+Example:
+    >>> import keras
+    >>> from keras_mp.adaptive.storage import trained
+    >>> trained.enabled()
+    False
+    >>> trained.unsupported_reason(keras.optimizers.AdamW(use_ema=True))
+    'an exponential moving average (use_ema) averages in the weight dtype'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from keras_mp import _installed
+from keras_mp.adaptive.storage import variables as storage_vars
+from keras_mp.execution import compact_update, native_update, optimizer_state
+
+__all__ = ["OPTIMIZERS", "adam_reason", "allowed", "enabled", "mark", "set_enabled",
+           "unsupported_reason"]
+
+#: The optimizer classes whose update runs over bfloat16 weights.
+OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Adam, keras.optimizers.AdamW)
+_DECAY = "_use_weight_decay"
+_state = {"enabled": False}
+
+
+def enabled() -> bool:
+    """Whether trained weights are stored in bfloat16 (off by default)."""
+    return _state["enabled"]
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turns compact trained weights on or off (documented as
+    :func:`keras_mp.config.set_compact_weights`); applied at the next ``fit``,
+    which stores them in float32 again when off.
+
+    Args:
+        enabled: True or False.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"`enabled` must be True or False, got {enabled!r}.")
+    _state["enabled"] = enabled
+
+
+def adam_reason(optimizer: Any) -> str | None:
+    """Why ``optimizer`` (a loss-scale wrapper counts as its inner optimizer)
+    is not an Adam or AdamW whose update keras-mp computes over compact
+    state (None when it is): the class, AMSGrad, a distribution strategy,
+    the native update's own conditions.
+
+    Example:
+        >>> import keras
+        >>> adam_reason(keras.optimizers.Adam(amsgrad=True))
+        'AMSGrad keeps a third moment: not stored compactly'
+    """
+    opt = optimizer_state.inner(optimizer)
+    if type(opt) not in OPTIMIZERS:
+        names = ", ".join(cls.__name__ for cls in OPTIMIZERS)
+        return f"{type(opt).__name__}'s state is not stored compactly (only {names}'s)"
+    if opt.amsgrad:
+        return "AMSGrad keeps a third moment: not stored compactly"
+    strategy = getattr(opt, "_distribution_strategy", None)
+    if tf.distribute.has_strategy() or (strategy is not None
+                                        and strategy is not tf.distribute.get_strategy()):
+        return "a distribution strategy: state stays float32"
+    return native_update.unsupported_reason(opt)
+
+
+def unsupported_reason(optimizer: Any) -> str | None:
+    """Why ``optimizer`` keeps its trained weights in float32 (None when they
+    can be bfloat16): :func:`adam_reason`, and Keras's own per-variable
+    state that copies the weight's dtype (an exponential moving average,
+    gradient accumulators).
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras optimizer.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"`optimizer` must be a Keras optimizer, got {optimizer!r}.")
+    reason = adam_reason(optimizer)
+    if reason is not None:
+        return reason
+    opt = optimizer_state.inner(optimizer)
+    if opt.use_ema:
+        return "an exponential moving average (use_ema) averages in the weight dtype"
+    if opt.gradient_accumulation_steps:
+        return "gradient accumulation sums in the weight dtype"
+    return None
+
+
+def allowed(model: Any) -> bool:
+    """Whether ``model``'s trained weights may be stored in bfloat16 now: the
+    switch is on and its optimizer is supported.
+
+    Raises:
+        TypeError: ``model`` is not a Keras model.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
+                        f"{type(model).__name__}.")
+    optimizer = getattr(model, "optimizer", None)
+    return _state["enabled"] and optimizer is not None \
+        and unsupported_reason(optimizer) is None
+
+
+def _without_compact(opt, original):
+    # Keras's decay (variable * wd * lr in the variable's dtype) is below
+    # half a bfloat16 ulp: compact_update applies it in float32 instead.
+    def _use_weight_decay(variable):
+        return False if compact_update.compact_weight(opt, variable) else original(variable)
+    return _use_weight_decay
+
+
+def _rekey(opt) -> None:
+    """Keras indexes an optimizer's variables by their TensorFlow variable;
+    a variable stored anew has a new one."""
+    if getattr(opt, "built", False) and hasattr(opt, "_trainable_variables_indices"):
+        opt._trainable_variables_indices = {
+            opt._var_key(v): i for i, v in enumerate(opt._trainable_variables)}
+        opt.__dict__.pop("_exclude_from_weight_decay_cache", None)
+
+
+def mark(optimizer: Any, compact: list | None, restored: bool) -> None:
+    """After a model's weights were stored as decided: tells its
+    ``optimizer`` (None: nothing to tell) which trained weights are stored in
+    bfloat16 (``compact``, the variables, or None to leave that as it is;
+    their update is :func:`keras_mp.execution.compact_update.adam`), installs
+    that update and the decay's exclusion, and, where a trained variable was
+    stored anew (``restored``), indexes the optimizer's variables again.
+
+    Raises:
+        TypeError: ``optimizer`` is neither a Keras optimizer nor None.
+    """
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"`optimizer` must be a Keras optimizer or None, got {optimizer!r}.")
+    opt = optimizer_state.inner(optimizer)
+    ids = {id(v) for v in compact or () if storage_vars.stored_dtype(v) == "bfloat16"}
+    if compact is not None:
+        setattr(_installed.installed(opt), compact_update.WEIGHTS, ids)
+    if ids:
+        native_update.install(opt)
+        if not _installed.is_wrapped(opt, _DECAY):
+            _installed.install_method(opt, _DECAY,
+                                      lambda original: _without_compact(opt, original))
+    if restored:
+        for o in {id(optimizer): optimizer, id(opt): opt}.values():
+            _rekey(o)
