@@ -177,9 +177,15 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
     """Applies ``optimizer``'s Adam update of ``variable`` in float32 over its
     bfloat16 moments or to its bfloat16 weight (see the module's docstring);
     returns False, doing nothing, where :func:`applies` does not hold or the
-    gradient is not a dense tensor of the variable's dtype or float32."""
-    if not applies(optimizer, variable) or not (
-            isinstance(gradient, tf.Tensor)
+    gradient is neither a tensor nor ``tf.IndexedSlices`` (made dense) of the
+    variable's dtype or float32."""
+    if not applies(optimizer, variable):
+        return False
+    if isinstance(gradient, tf.IndexedSlices):
+        # An embedding's gradient: Adam moves every row (its moments decay),
+        # so the update is dense, as Keras's own Adam makes it.
+        gradient = tf.convert_to_tensor(gradient)
+    if not (isinstance(gradient, tf.Tensor)
             and gradient.dtype in (tf.float32, tf.as_dtype(variable.dtype))):
         return False
     i = optimizer._get_variable_index(variable)

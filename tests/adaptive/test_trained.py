@@ -296,3 +296,47 @@ def test_the_rounding_numbers_are_never_a_constant_of_the_graph():
     for s in (0, 1, 70000):
         np.testing.assert_array_equal(graph(tf.constant(s, tf.int64)).numpy(),
                                       xla(tf.constant(s, tf.int64)).numpy())
+
+
+def test_an_embeddings_sparse_gradient_takes_the_float32_update(compact):
+    # Rows no batch reaches only decay: lr * wd = 1e-3 of themselves a step,
+    # below half a bfloat16 ulp; with the table in bfloat16, the float32
+    # update keeps that decay on average.
+    with keras_mp.policy_scope("adaptive_bfloat16"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((2,), dtype="int32"),
+                                  keras.layers.Embedding(64, 256, name="table",
+                                                         embeddings_initializer="ones"),
+                                  keras.layers.GlobalAveragePooling1D(),
+                                  keras.layers.Dense(1, name="out")])
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.1), loss="mse")
+    ids = np.zeros((32, 2), "int32")            # only row 0 is ever looked up
+    model.fit(ids, np.ones((32, 1)), batch_size=8, epochs=5, verbose=0)   # 20 steps
+    table = model.get_layer("table").embeddings
+    assert variables.stored_dtype(table) == "bfloat16"
+    rest = np.asarray(table.numpy()).astype("float64")[1:]
+    assert rest.mean() == pytest.approx((1 - 1e-3) ** 20, abs=2e-3)
+
+
+@pytest.mark.parametrize("stored", ["weight", "moments"])
+def test_sparse_and_dense_gradients_give_one_update(stored):
+    results = []
+    for sparse in (False, True):
+        opt = keras.optimizers.Adam(1e-2)
+        w = keras.Variable(np.ones((6, 4), "float32"))
+        if stored == "weight":
+            variables.store_as(w, "bfloat16")
+        opt.build([w])
+        if stored == "weight":
+            setattr(keras_mp._installed.installed(opt), compact_update.WEIGHTS, {id(w)})
+        else:
+            for slot in (opt._momentums[0], opt._velocities[0]):
+                variables.store_as(slot, "bfloat16")
+        dtype = tf.bfloat16 if stored == "weight" else tf.float32
+        rows = tf.ones((2, 4), dtype)
+        gradient = tf.IndexedSlices(rows, tf.constant([1, 4]), tf.constant([6, 4])) if sparse \
+            else tf.scatter_nd([[1], [4]], rows, [6, 4])
+        assert compact_update.adam(opt, gradient, w, 1e-2)
+        results.append(np.asarray(w.numpy()).astype("float32"))
+    np.testing.assert_array_equal(*results)
+    assert not np.array_equal(results[0][1], np.ones(4))      # the rows moved
