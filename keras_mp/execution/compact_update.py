@@ -112,16 +112,18 @@ def dithered(value: tf.Tensor, noise: tf.Tensor) -> tf.Tensor:
 
 
 @xla.jit("elementwise")
-def _adam(gradient, variable, m, v, alpha, beta_1, beta_2, epsilon, decay, step, index, compiled):
+def _adam(gradient, squared, variable, m, v, alpha, beta_1, beta_2, epsilon, decay, step, index,
+          compiled):
     f32 = tf.float32
     g = tf.cast(gradient, f32)
+    squared = tf.square(g) if squared is None else squared
     w = tf.cast(variable, f32)
     if variable.dtype != f32:
         w = w - w * decay    # AdamW's decoupled decay, in float32 (Keras's skipped it)
     m32 = tf.cast(m, f32)
     v32 = tf.cast(v, f32)
     m32 = m32 + (g - m32) * (1.0 - beta_1)
-    v32 = v32 + (tf.square(g) - v32) * (1.0 - beta_2)
+    v32 = v32 + (squared - v32) * (1.0 - beta_2)
     new = w - alpha * m32 / (tf.sqrt(v32) + epsilon)
     shape = tf.shape(w)
     if variable.dtype != f32:
@@ -181,9 +183,14 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
     variable's dtype or float32."""
     if not applies(optimizer, variable):
         return False
+    squared = None
     if isinstance(gradient, tf.IndexedSlices):
-        # An embedding's gradient: Adam moves every row (its moments decay),
-        # so the update is dense, as Keras's own Adam makes it.
+        # An embedding's gradient, as Keras's Adam reads it: dense (every row
+        # moves, its moments decay), the second moment from the sum of each
+        # lookup's squared gradient, not the square of their sum.
+        squared = tf.convert_to_tensor(tf.IndexedSlices(
+            tf.square(tf.cast(gradient.values, tf.float32)), gradient.indices,
+            gradient.dense_shape))
         gradient = tf.convert_to_tensor(gradient)
     if not (isinstance(gradient, tf.Tensor)
             and gradient.dtype in (tf.float32, tf.as_dtype(variable.dtype))):
@@ -199,7 +206,8 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
     decay = lr * tf.cast(wd, f32) if wd and compact_weight(optimizer, variable) and \
         _installed.original(optimizer, "_use_weight_decay")(variable) else tf.zeros([], f32)
     m, v = optimizer._momentums[i], optimizer._velocities[i]
-    new, m_new, v_new = _adam(gradient, tf.convert_to_tensor(variable), tf.convert_to_tensor(m),
+    new, m_new, v_new = _adam(gradient, squared, tf.convert_to_tensor(variable),
+                              tf.convert_to_tensor(m),
                               tf.convert_to_tensor(v), alpha, beta_1, beta_2,
                               tf.constant(optimizer.epsilon, f32), decay,
                               tf.convert_to_tensor(optimizer.iterations), tf.constant(i, tf.int32),
