@@ -71,6 +71,7 @@ WEIGHTS = "compact_weights"
 #: Where a weight's rounding numbers start in the sequence (the second
 #: moment's start at 0): half a period on.
 WEIGHT_SALT = 0x8000
+_LAST = "compact_update_last"   # (graph, the last update's op) in the optimizer's holder
 _LOW = 0xFFFF
 # Odd multipliers: each term runs through all 2**16 values (the step's at
 # about the golden ratio of the period, so consecutive steps spread evenly).
@@ -206,13 +207,25 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
     decay = lr * tf.cast(wd, f32) if wd and compact_weight(optimizer, variable) and \
         _installed.original(optimizer, "_use_weight_decay")(variable) else tf.zeros([], f32)
     m, v = optimizer._momentums[i], optimizer._velocities[i]
-    new, m_new, v_new = _adam(gradient, squared, tf.convert_to_tensor(variable),
-                              tf.convert_to_tensor(m),
-                              tf.convert_to_tensor(v), alpha, beta_1, beta_2,
-                              tf.constant(optimizer.epsilon, f32), decay,
-                              tf.convert_to_tensor(optimizer.iterations), tf.constant(i, tf.int32),
-                              xla.uses_xla("elementwise"))
-    optimizer.assign(variable, new)
-    optimizer.assign(m, m_new)
-    optimizer.assign(v, v_new)
+    # One variable at a time: the update makes new values before it assigns
+    # them (TensorFlow's fused kernel writes in place), and a graph runs
+    # independent updates together, so without this order every variable's
+    # new values (a second copy of weights and moments) could be alive at once.
+    held = _installed.installed(optimizer)
+    graph = tf.compat.v1.get_default_graph() if tf.inside_function() else None
+    last = getattr(held, _LAST, None)
+    with tf.control_dependencies([last[1]] if last is not None and last[0] is graph else []):
+        new, m_new, v_new = _adam(gradient, squared, tf.convert_to_tensor(variable),
+                                  tf.convert_to_tensor(m), tf.convert_to_tensor(v), alpha, beta_1,
+                                  beta_2, tf.constant(optimizer.epsilon, f32), decay,
+                                  tf.convert_to_tensor(optimizer.iterations),
+                                  tf.constant(i, tf.int32), xla.uses_xla("elementwise"))
+        done = [_tf_variable(x).assign(value, read_value=False)
+                for x, value in ((variable, new), (m, m_new), (v, v_new))]
+    if graph is not None:
+        setattr(held, _LAST, (graph, tf.group(done)))
     return True
+
+
+def _tf_variable(variable: Any) -> tf.Variable:
+    return variable.value if isinstance(variable, keras.Variable) else variable
