@@ -196,6 +196,10 @@ PER_INSTANCE: tuple[Change, ...] = (
            "with keras_mp.config.set_compact_moments(True), the moments an Adam or AdamW "
            "builds for a model under an adaptive policy are made in bfloat16",
            "3.15.1", "keras_mp.adaptive.storage.moments"),
+    Change("compact_weights", "instance", ("keras:optimizers.Optimizer._use_weight_decay",),
+           "with keras_mp.config.set_compact_weights(True), an AdamW's decay skips the weights "
+           "stored in bfloat16 (applied in float32 by their update instead)",
+           "3.15.1", "keras_mp.adaptive.storage.trained"),
     Change("skip_guard", "instance", ("keras:Model.train_step",),
            "a step the optimizer skips for non-finite gradients puts back what it assigned "
            "(moving statistics, metric totals), under every adaptive policy",
