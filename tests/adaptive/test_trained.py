@@ -348,3 +348,44 @@ def test_a_sparse_gradient_updates_as_keras_adam_does(stored):
     for keras_value, compact_value in zip(*results):
         np.testing.assert_allclose(compact_value, keras_value, rtol=2e-2, atol=1e-3)
     assert not np.array_equal(results[1][0][1], np.ones(2))      # the rows moved
+
+
+class Subclassed(keras.Model):
+    """keras.io's way: layers built at the first call, a train_step of its own."""
+
+    def __init__(self, custom_step: bool):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(1)
+        self.custom_step = custom_step
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        if not self.custom_step:
+            return super().train_step(data)
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("custom_step", [False, True], ids=["keras_step", "custom_step"])
+def test_a_subclassed_model_is_stored_compactly_from_its_second_fit(custom_step, compact):
+    # Built by its first fit, after that fit stored its weights: the second
+    # stores them in bfloat16 and indexes the optimizer's variables again.
+    with keras_mp.policy_scope("adaptive_bfloat16"):
+        keras.utils.set_random_seed(0)
+        model = Subclassed(custom_step)
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss="mse")
+    x, y = _data(256)
+    model.fit(x, y, epochs=1, verbose=0)
+    assert _dtypes(model.trainable_variables) == {"float32"}
+    before = model.evaluate(x, y, verbose=0)
+    model.fit(x, y, epochs=4, verbose=0)
+    assert _dtypes(model.trainable_variables) == {"bfloat16"}
+    assert _dtypes(model.optimizer.inner_optimizer._momentums) == {"float32"}
+    assert model.evaluate(x, y, verbose=0) < 0.8 * before
