@@ -389,3 +389,13 @@ def test_a_subclassed_model_is_stored_compactly_from_its_second_fit(custom_step,
     assert _dtypes(model.trainable_variables) == {"bfloat16"}
     assert _dtypes(model.optimizer.inner_optimizer._momentums) == {"float32"}
     assert model.evaluate(x, y, verbose=0) < 0.8 * before
+
+
+@pytest.mark.parametrize("clipping", [dict(clipnorm=1.0), dict(global_clipnorm=1.0),
+                                      dict(clipvalue=0.5)], ids=str)
+def test_gradient_clipping_works_on_bfloat16_gradients(clipping, compact):
+    model = _model(optimizer=keras.optimizers.AdamW(1e-2, **clipping))
+    history = _fit(model, epochs=3)
+    assert _dtypes(model.trainable_variables) == {"bfloat16"}
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
