@@ -22,7 +22,8 @@ gives memory back), one at a time. Figures, per variant:
   ``moments`` (the optimizer's per-variable slots), ``scales`` (the
   optimizer's scalars: step counts, loss scale), and ``mib`` of each;
 * ``step_s``: the median wall time of the steps after the first (the first
-  traces the step), with ``steps_s`` every step's; ``loss``: the last
+  traces the step), with ``steps_s`` every step's, and ``step_cpu_s`` /
+  ``steps_cpu_s`` the same in process CPU time; ``loss``: the last
   epoch's; ``storage``: for keras-mp, the variables' stored dtypes
   (``{dtype: count}``), and ``compute``: the layers' compute dtypes.
 
@@ -126,12 +127,14 @@ class _Timer:
             def __init__(self):
                 super().__init__()
                 self.times: list[float] = []
+                self.cpu: list[float] = []
 
             def on_train_batch_begin(self, batch, logs=None):
-                self._t = time.perf_counter()
+                self._t, self._c = time.perf_counter(), time.process_time()
 
             def on_train_batch_end(self, batch, logs=None):
                 self.times.append(time.perf_counter() - self._t)
+                self.cpu.append(time.process_time() - self._c)
 
         return Timer()
 
@@ -176,6 +179,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     out = {"peak_mib": peak, "growth_mib": peak - before, "before_fit_mib": before,
            "baseline_mib": baseline, "loss": float(history.history["loss"][-1]),
            "steps_s": timer.times, "step_s": statistics.median(timer.times[1:]),
+           "steps_cpu_s": timer.cpu, "step_cpu_s": statistics.median(timer.cpu[1:]),
            "state": categories(state["bytes"], state["trainable"]),
            "state_mib": {k: v / 2**20 for k, v in state["bytes"].items()},
            "trainable": state["trainable"], "parameters": model.count_params(),

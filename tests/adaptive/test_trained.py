@@ -209,10 +209,21 @@ def test_a_seeded_run_repeats_bit_for_bit(compact):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.measured_execution   # the mode keras-mp picks, as a user's fit runs
 def test_keras_files_load_both_ways(compact, tmp_path):
     model = _model()
     _fit(model)
     model.save(tmp_path / "compact.keras")
+    x, _ = _data(8)
+    expected = np.asarray(model.predict(x, verbose=0))
+    for policy in ("float32", "mixed_bfloat16", "adaptive_float16"):   # whatever is global
+        with keras_mp.policy_scope(policy):
+            other = keras.saving.load_model(tmp_path / "compact.keras")
+        # The layers' dtypes are the file's (its variables are float32 until the next
+        # fit stores them again, their values the file's bfloat16 ones).
+        assert [x.compute_dtype for x in other.layers] == \
+            [x.compute_dtype for x in model.layers], policy
+        np.testing.assert_array_equal(np.asarray(other.predict(x, verbose=0)), expected)
     loaded = keras.saving.load_model(tmp_path / "compact.keras")
     for a, b in zip(_state(loaded), _state(model)):
         np.testing.assert_array_equal(a, b)     # the bfloat16 values, exactly
@@ -252,6 +263,7 @@ def test_backup_and_restore_resumes_bit_for_bit(compact, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.measured_execution
 def test_export_and_quantize_a_model_with_compact_weights(compact, tmp_path):
     model = _model()
     _fit(model)
@@ -399,3 +411,32 @@ def test_gradient_clipping_works_on_bfloat16_gradients(clipping, compact):
     assert _dtypes(model.trainable_variables) == {"bfloat16"}
     losses = history.history["loss"]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_adaptation_runs_over_compact_weights(compact):
+    # The statistics step and the float32 probe both run on bfloat16 weights.
+    callback = keras_mp.callbacks.AdaptivePrecision(interval=1000, statistics_every=2,
+                                                    probe_every=2, first_decision=None)
+    model = _model()
+    x, y = _data()
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    assert _dtypes(model.trainable_variables) == {"bfloat16"}
+    assert np.isfinite(history.history["loss"]).all()
+    evidence = callback._stats.read()
+    assert evidence.steps == 4 and evidence.probe_steps >= 1     # 8 calls
+
+
+def test_a_nan_batch_leaves_compact_weights_as_they_were(compact):
+    model = _model()
+    _fit(model)
+    before = _state(model)
+    x, y = _data(16)
+    x[3] = np.nan
+    with pytest.warns(UserWarning, match="non-finite"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)      # its one step skipped
+    assert _dtypes(model.trainable_variables) == {"bfloat16"}
+    names = [v.path for v in [*model.weights, *model.optimizer.variables]]
+    changed = [n for n, a, b in zip(names, _state(model), before) if not np.array_equal(a, b)]
+    # Weights, moments and iterations as they were; only the skip counters count it.
+    assert changed == ["loss_scale_optimizer/skipped_steps",
+                       "loss_scale_optimizer/consecutive_skips"], changed

@@ -77,8 +77,8 @@ from keras_mp import _checks as checks
 from keras_mp.adaptive.policy.adaptive_policy import AdaptivePolicy
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.storage import trained
-from keras_mp.device import memory
 from keras_mp.adaptive.storage import variables as storage_vars
+from keras_mp.device import memory
 
 __all__ = ["REASONS", "UNIT_ROUNDOFF", "apply", "cast_error", "decide", "enabled",
            "frozen_variables", "read_in_compute_dtype", "set_enabled", "set_override"]
@@ -315,7 +315,7 @@ def apply(model: Any, layers=None, *, restore_only: bool = False) -> list[dict[s
         restore_only: True or False.
     """
     policy = _model_policy(model)
-    made, compact = [], []
+    made, compact, restored = [], [], False
     compact_training = trained.allowed(model)
     for layer, v, trains in frozen_variables(model, layers):
         old = storage_vars.stored_dtype(v)
@@ -339,12 +339,12 @@ def apply(model: Any, layers=None, *, restore_only: bool = False) -> list[dict[s
             compact_training=compact_training)
         found = dict(dtype=dtype, reason=reason, error=measured[0] if measured else None)
         if storage_vars.store_as(v, dtype):
-            made.append(dict(variable=v.path, old=old, trains=trains, **found))
+            made.append(dict(variable=v.path, old=old, **found))
+            restored |= trains   # a variable the optimizer may index
         compact += [v] if reason == "trains_compact" else []
         record.setdefault(_RECORD, {}).setdefault(v.name, {}).update(found)
-    restored = [m.pop("trains") for m in made]
     if made:
         memory.release_free_heap()   # the float32 values' pages, back to the system
     trained.mark(getattr(model, "optimizer", None), None if restore_only else compact,
-                 restored=any(restored))
+                 restored=restored)
     return made
