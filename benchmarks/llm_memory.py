@@ -197,7 +197,9 @@ def run(variants: Sequence[str] = VARIANTS[:3], tunings: Sequence[str] = TUNINGS
         timeout: float = 1800.0) -> dict[str, dict[str, Any]]:
     """``{tuning: {variant: figures}}``, each run in a fresh process, one at
     a time, ``repeats`` rounds of all (figures: see the module's docstring,
-    of the run of median peak; ``{"error": ...}`` where a process failed)."""
+    of the run of median peak, with every run's peak and median step in
+    ``peak_samples``, ``step_s_samples`` and ``step_cpu_s_samples``;
+    ``{"error": ...}`` where a process failed)."""
     bad = [v for v in variants if v not in VARIANTS] + [t for t in tunings if t not in TUNINGS]
     if bad:
         raise ValueError(f"`variants` must be among {VARIANTS} and `tunings` among {TUNINGS}, "
@@ -217,7 +219,10 @@ def run(variants: Sequence[str] = VARIANTS[:3], tunings: Sequence[str] = TUNINGS
     for (t, v), results in runs.items():
         good = sorted((r for r in results if "error" not in r), key=lambda r: r["peak_mib"])
         chosen = good[(len(good) - 1) // 2] if good else results[0]
-        out.setdefault(t, {})[v] = dict(chosen, peak_samples=[r["peak_mib"] for r in good])
+        out.setdefault(t, {})[v] = dict(
+            chosen, peak_samples=[r["peak_mib"] for r in good],
+            step_s_samples=[r["step_s"] for r in good],
+            step_cpu_s_samples=[r.get("step_cpu_s") for r in good])
     return out
 
 
