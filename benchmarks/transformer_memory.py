@@ -21,7 +21,18 @@ Variants:
 * ``keras_mp_sampling``: the same with ``AdaptivePrecision(interval=10,
   probe_every=20)`` for 24 steps, so that statistics steps (one in 2) and
   a float32 probe step (call 20) fall inside the run;
-* ``keras_mp_graph``: ``keras_mp`` with ``KERAS_MP_EXECUTION=graph`` (no trial).
+* ``keras_mp_graph``: ``keras_mp`` with ``KERAS_MP_EXECUTION=graph`` (no trial);
+* ``keras_mixed_bfloat16_remat``: Keras alone, the model built inside
+  ``keras.RematScope("activations")``, the one mode Keras's own TensorFlow
+  ``remat`` runs on this model in graph mode (``"full"`` and
+  ``"larger_than"`` fail on its attention's keyword arguments);
+* ``keras_mp_remat``: ``keras_mp`` with the model built inside
+  ``keras.RematScope("larger_than")`` (every layer whose output holds more
+  than 1024 values per row recomputed on the backward pass:
+  :mod:`keras_mp.execution.remat`).
+
+Each run also records the median process CPU and wall time of its last
+``STEPS // 2`` steps (the rematerialized variants pay a second forward pass).
 
 ``--budget MIB`` also gives, for Keras ``mixed_bfloat16`` and ``keras_mp``,
 the largest batch whose peak fits: peaks measured at ``--batches`` (memory
@@ -35,11 +46,13 @@ Run: ``python -m benchmarks.transformer_memory [--quick] [--budget 4096]``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -47,10 +60,32 @@ from typing import Any
 __all__ = ["VARIANTS", "SIZE", "run", "largest_batch", "main"]
 
 VARIANTS: tuple[str, ...] = ("keras_float32", "keras_mixed_bfloat16", "keras_mp",
-                             "keras_mp_sampling", "keras_mp_graph")
+                             "keras_mp_sampling", "keras_mp_graph", "keras_mixed_bfloat16_remat",
+                             "keras_mp_remat")
+#: The keras.RematScope mode each rematerialized variant builds its model in.
+REMAT = {"keras_mixed_bfloat16_remat": "activations", "keras_mp_remat": "larger_than"}
 SIZE = dict(batch=64, length=256, dim=512, blocks=2)
 STEPS = 12
 _MARK = "KERAS_MP_TRANSFORMER_MEMORY "
+
+
+def _step_clock():
+    import keras
+
+    class StepClock(keras.callbacks.Callback):
+        """Each step's process CPU and wall time (``laps``)."""
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = (time.process_time(), time.perf_counter())
+
+        def on_train_batch_end(self, batch, logs=None):
+            c, w = self._start
+            self.laps.append((time.process_time() - c, time.perf_counter() - w))
+
+        def on_train_begin(self, logs=None):
+            self.laps = []
+
+    return StepClock()
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -72,19 +107,21 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     build, data = get("transformer", size, 4)
     baseline = rss("VmRSS:")
     keras.utils.set_random_seed(0)
-    cbs = []
+    cbs = [_step_clock()]
+    scope = keras.RematScope(REMAT[variant]) if variant in REMAT else contextlib.nullcontext()
     if variant.startswith("keras_mp"):
         import keras_mp
         from keras_mp import callbacks, policies
 
-        with policies.policy_scope("adaptive"):
+        with policies.policy_scope("adaptive"), scope:
             model = keras_mp.fuse(build(), inplace=True)
-        cbs = [callbacks.AdaptivePrecision(interval=10, probe_every=20)
-               if variant == "keras_mp_sampling" else callbacks.AdaptivePrecision()]
+        cbs.append(callbacks.AdaptivePrecision(interval=10, probe_every=20)
+                   if variant == "keras_mp_sampling" else callbacks.AdaptivePrecision())
     else:
         previous = keras.config.dtype_policy()
-        keras.config.set_dtype_policy(variant.removeprefix("keras_"))
-        model = build()
+        keras.config.set_dtype_policy(variant.removeprefix("keras_").removesuffix("_remat"))
+        with scope:
+            model = build()
         keras.config.set_dtype_policy(previous)
     model.compile(optimizer=keras.optimizers.Adam(1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -98,8 +135,11 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         from keras_mp import execution
 
         mode = execution.chosen(model)
+    half = cbs[0].laps[-(steps // 2):]
     return {"peak_rss_mib": rss("VmHWM:"), "allocator_peak_mib": allocator,
-            "baseline_rss_mib": baseline, "mode": mode}
+            "baseline_rss_mib": baseline, "mode": mode,
+            "step_cpu_s": statistics.median(c for c, _ in half),
+            "step_wall_s": statistics.median(w for _, w in half)}
 
 
 def _measure(specs: list[dict[str, Any]], parallel: int) -> list[dict[str, Any]]:
@@ -137,6 +177,8 @@ def run(variants: Sequence[str] = VARIANTS, repeats: int = 2, parallel: int = 2,
         e["samples"].append(r["peak_rss_mib"])
         e["allocator"].append(r["allocator_peak_mib"])
         e["base"].append(r["baseline_rss_mib"])
+        e.setdefault("cpu", []).append(r["step_cpu_s"])
+        e.setdefault("wall", []).append(r["step_wall_s"])
         e["mode"] = r["mode"]
     for e in out.values():
         s = e.pop("samples")
@@ -145,6 +187,10 @@ def run(variants: Sequence[str] = VARIANTS, repeats: int = 2, parallel: int = 2,
         alloc = [a for a in e.pop("allocator") if a is not None]
         e["allocator_peak_mib"] = statistics.median(alloc) if alloc else None
         e["baseline_rss_mib"] = statistics.median(e.pop("base"))
+        for clock in ("cpu", "wall"):
+            t = e.pop(clock)
+            e[f"step_{clock}_s"] = {"median": statistics.median(t), "min": min(t),
+                                    "max": max(t), "samples": t}
     return out
 
 
@@ -173,13 +219,17 @@ def largest_batch(variant: str, budget_mib: float, batches: Sequence[int] = (32,
 def _table(results: dict[str, dict[str, Any]]) -> str:
     ref = results.get("keras_mixed_bfloat16")
     lines = ["| variant | peak RSS MiB (median) | spread | vs Keras mixed_bfloat16 | "
-             "allocator peak MiB | mode |", "| --- |" + " ---: |" * 4 + " --- |"]
+             "allocator peak MiB | CPU s / step (spread) | wall s / step (spread) | mode |",
+             "| --- |" + " ---: |" * 6 + " --- |"]
     for v, e in results.items():
         p = e["peak_rss_mib"]
         ratio = f"{p['median'] / ref['peak_rss_mib']['median']:.2f}x" if ref else ""
         alloc = "" if e["allocator_peak_mib"] is None else f"{e['allocator_peak_mib']:.0f}"
+        cpu, wall = e["step_cpu_s"], e["step_wall_s"]
         lines.append(f"| {v} | {p['median']:.0f} | {p['max'] - p['min']:.0f} | {ratio} | "
-                     f"{alloc} | {e['mode'] or ''} |")
+                     f"{alloc} | {cpu['median']:.3f} ({cpu['max'] - cpu['min']:.3f}) | "
+                     f"{wall['median']:.3f} ({wall['max'] - wall['min']:.3f}) | "
+                     f"{e['mode'] or ''} |")
     return "\n".join(lines)
 
 
@@ -191,11 +241,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=None,
                         help="MiB: also find the largest batch that fits")
     parser.add_argument("--batches", default="32,64,96")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated, among {', '.join(VARIANTS)} (default: all)")
     args = parser.parse_args(argv)
     if args.child is not None:
         print(_MARK + json.dumps(_child(json.loads(args.child))), flush=True)
         return
-    variants = [v for v in VARIANTS if not (args.quick and v == "keras_mp_sampling")]
+    variants = args.variants.split(",") if args.variants else \
+        [v for v in VARIANTS if not (args.quick and v == "keras_mp_sampling")]
     repeats = args.repeats or (1 if args.quick else 2)
     results = run(variants, repeats=repeats)
     print(f"2-block Transformer, T={SIZE['length']}, d={SIZE['dim']}, batch {SIZE['batch']}, "

@@ -1,7 +1,7 @@
 """Every change ``import keras_mp`` makes to Keras, installed from here.
 
 keras-mp changes Keras in two ways. **On import** it replaces a few Keras
-functions for the whole process (:data:`ON_IMPORT`): four fix faults of Keras
+functions for the whole process (:data:`ON_IMPORT`): five fix faults of Keras
 itself (``kind="fault"``), each acting only where the installed Keras still has
 the fault (the atomic saves change no file's content, only how it reaches its
 name); the others let the adaptive policies work where Keras's own code reads a
@@ -24,7 +24,7 @@ Example:
     >>> import keras_mp
     >>> from keras_mp import _keras_changes
     >>> [change.name for change in _keras_changes.ON_IMPORT if change.kind == "fault"]
-    ['multi_worker_fit', 'quantize_policy_map', 'atomic_saves', 'atomic_backups']
+    ['multi_worker_fit', 'quantize_policy_map', 'atomic_saves', 'atomic_backups', 'remat_graph_mode']
     >>> _keras_changes.installed() == tuple(c.name for c in _keras_changes.ON_IMPORT)
     True
 """
@@ -116,6 +116,12 @@ ON_IMPORT: tuple[Change, ...] = (
            "BackupAndRestore replaces its weights and then its metadata (a kill inside or between "
            "them breaks the resume); each backup is a new folder, named by a pointer written last",
            "3.15.1", "keras_mp._saves", _call("keras_mp._saves", "install", "backups")),
+    Change("remat_graph_mode", "fault", ("keras.src.backend.tensorflow.core:remat",),
+           "keras.RematScope and keras.remat fail in graph mode on a call with keyword "
+           "arguments, and recompute outside the call's autocast scope and call context, with "
+           "new dropout masks and second moving-statistics updates; recomputed as the forward "
+           "pass ran",
+           "3.15.1", "keras_mp.execution.remat", _call("keras_mp.execution.remat", "install")),
     Change("fit_adapts", "feature", ("keras:Model.fit",),
            "fit adds AdaptivePrecision to a model under an adaptive policy, so that setting the "
            "global policy is enough; a LossScaleOptimizer's max_consecutive_skips stop is "

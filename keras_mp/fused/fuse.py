@@ -29,11 +29,13 @@ __all__ = ["fuse"]
 def _swap(layer: keras.layers.Layer) -> keras.layers.Layer:
     fused_cls = fused_class(type(layer))
     config = layer.get_config()
-    if fused_cls is not None:
-        return fused_cls.from_config(config)
     # Every other layer is cloned as clone_model would, so the copy shares
     # no state with the original.
-    return layer.__class__.from_config(config)
+    copy = (fused_cls or layer.__class__).from_config(config)
+    # A layer made inside keras.RematScope stays rematerialized (a config
+    # does not hold the scope's mode).
+    copy._remat_mode = getattr(layer, "_remat_mode", None)
+    return copy
 
 
 def fuse(model: keras.Model, *, inplace: bool = False) -> keras.Model:
@@ -108,6 +110,9 @@ def fuse(model: keras.Model, *, inplace: bool = False) -> keras.Model:
         (a, b) for source, copy in pairs
         for a, b in zip(source._flatten_layers(), copy._flatten_layers())])
     _swap_in_place(fused)  # layers inside layers, which cloning rebuilt from their config
+    for source, copy in [(model, fused)] + [
+            pair for a, b in pairs for pair in zip(a._flatten_layers(), b._flatten_layers())]:
+        copy._remat_mode = getattr(source, "_remat_mode", None)
     return fused
 
 

@@ -74,6 +74,7 @@ import tensorflow as tf
 
 from keras_mp._installed import install_method, installed
 from keras_mp.adaptive.evidence import float8, forward
+from keras_mp.execution import remat
 from keras_mp.scaling import kernels, layer_scales
 
 __all__ = ["Hooks"]
@@ -324,12 +325,12 @@ class Hooks:
             def call(*args, **kwargs):
                 training = _training()
                 observe = hooks.forward and training
+                # A rematerialized call runs twice: its forward statistics are
+                # the forward pass's; its gradient crosses the recomputed call.
+                seen = observed if observe and not remat.recomputing() else original
                 if training and hooks.layer_scale_of is not None and index in hooks.boundaries:
-                    return hooks._scaled(index, observed if observe else original, args,
-                                         kwargs, observe)
-                if not observe:
-                    return original(*args, **kwargs)
-                return observed(*args, **kwargs)
+                    return hooks._scaled(index, seen, args, kwargs, observe)
+                return seen(*args, **kwargs)
             return call
 
         install_method(layer, name, make)

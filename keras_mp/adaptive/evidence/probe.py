@@ -118,20 +118,23 @@ def _loss_and_grads(model, x, y, sample_weight, scale, tvars, factors=None):
     only when asked to collect them. Dropout masks and noise are drawn in
     float32 whatever the pass's dtypes (:func:`same_draws`)."""
     regularized = [v for v in model.trainable_weights if v.regularizer is not None]
-    with tf.GradientTape() as tape, same_draws():
-        # Read inside the tape: the scope's values carry the gradients of the
-        # regularization terms to the variables.
-        values = [(v, v.value) for v in regularized]
-        with keras.StatelessScope(state_mapping=values, collect_losses=True):
-            if model._call_has_training_arg:
-                y_pred = model(x, training=True)
-            else:
-                y_pred = model(x)
-            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                      training=True)
-            loss = tf.cast(loss, tf.float32)
-            scaled = loss * scale
-    grads = tape.gradient(scaled, tvars)
+    # The gradient inside same_draws too: a rematerialized layer (keras.RematScope)
+    # draws its dropout mask again there.
+    with same_draws():
+        with tf.GradientTape() as tape:
+            # Read inside the tape: the scope's values carry the gradients of the
+            # regularization terms to the variables.
+            values = [(v, v.value) for v in regularized]
+            with keras.StatelessScope(state_mapping=values, collect_losses=True):
+                if model._call_has_training_arg:
+                    y_pred = model(x, training=True)
+                else:
+                    y_pred = model(x)
+                loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
+                                          sample_weight=sample_weight, training=True)
+                loss = tf.cast(loss, tf.float32)
+                scaled = loss * scale
+        grads = tape.gradient(scaled, tvars)
     out = []
     for g, v in zip(grads, tvars):
         if g is None:

@@ -1,0 +1,220 @@
+"""``keras.RematScope`` and ``keras.remat`` on TensorFlow in graph mode
+(keras_mp/execution/remat.py): the same loss, gradients, dropout masks,
+moving statistics and losses as without rematerialization, under Keras's
+policies and keras-mp's adaptive ones, traced as a graph and under XLA; Keras's
+own ``remat`` fails on the same models (tests/test_keras_changes.py)."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_mp
+from keras_mp.execution import remat
+
+T, D = 8, 16
+
+
+def _model(mode: str | None, seed: int = 0) -> keras.Model:
+    """Dense with an activation, attention (called with keyword arguments),
+    Dropout, BatchNormalization, LayerNormalization, an add_loss term."""
+    keras.utils.set_random_seed(seed)
+
+    class Penalty(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(1e-3 * keras.ops.mean(keras.ops.square(x)))
+            return x
+
+    def build():
+        inputs = keras.Input((T, D))
+        x = keras.layers.Dense(D, activation="gelu")(inputs)
+        x = keras.layers.MultiHeadAttention(2, D // 2, dropout=0.2)(x, x, use_causal_mask=True)
+        x = keras.layers.Dropout(0.3)(x)
+        x = keras.layers.BatchNormalization()(x)
+        x = keras.layers.LayerNormalization()(Penalty()(x))
+        x = keras.layers.GlobalAveragePooling1D()(x)
+        return keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(x))
+
+    if mode is None:
+        return build()
+    with keras.RematScope(mode, output_size_threshold=64):
+        return build()
+
+
+def _data(n: int = 32):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(n, T, D)).astype("float32"),
+            rng.integers(0, 3, size=(n,)).astype("int32"))
+
+
+def _step(model: keras.Model, x, y, jit: bool = False):
+    """Loss (with the model's losses), gradients and the model's losses, one
+    training call, traced."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(jit_compile=jit)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            extra = tf.add_n([tf.cast(a, tf.float32) for a in model.losses])
+            loss = loss_fn(y, out) + extra
+        return loss, extra, tape.gradient(loss, model.trainable_variables)
+
+    return step(tf.constant(x), tf.constant(y))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("mode", ["full", "larger_than", "activations"])
+def test_rematerialized_model_has_the_same_loss_gradients_and_state(policy, mode):
+    keras.config.set_dtype_policy(policy)
+    try:
+        x, y = _data()
+        plain, rematerialized = _model(None), _model(mode)
+        rematerialized.set_weights(plain.get_weights())
+        a, b = _step(plain, x, y), _step(rematerialized, x, y)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert float(a[0]) == pytest.approx(float(b[0]), rel=1e-6)
+    assert float(a[1]) == pytest.approx(float(b[1]), rel=1e-6)  # the add_loss term once
+    # Float rounding of another summation order, not another computation (a
+    # unit dropped differently moves a gradient by its whole size).
+    rtol, atol = (1e-4, 1e-5) if policy == "float32" else (2e-2, 2e-3)
+    for g, h, v in zip(a[2], b[2], plain.trainable_variables, strict=True):
+        assert h is not None, v.path
+        np.testing.assert_allclose(h.numpy(), g.numpy(), rtol=rtol, atol=atol, err_msg=v.path)
+    # Moving statistics moved once, as without rematerialization.
+    for v, w in zip(plain.non_trainable_variables, rematerialized.non_trainable_variables,
+                    strict=True):
+        np.testing.assert_allclose(w.numpy(), v.numpy(), rtol=1e-6, atol=1e-7, err_msg=v.path)
+
+
+def test_dropout_masks_are_those_of_the_forward_pass():
+    """The recomputed Dropout drops the units the forward pass dropped: a
+    unit's gradient is zero exactly where its output is."""
+    with keras.RematScope("full"):
+        layer = keras.layers.Dropout(0.5, seed=3)
+    x = tf.ones([64, 32])
+
+    @tf.function
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+        return y, tape.gradient(y, x)
+
+    for _ in range(3):  # the seed moves on between calls; each call's pair agrees
+        y, g = run()
+        assert np.array_equal(y.numpy() == 0, g.numpy() == 0)
+        assert 0.3 < float(np.mean(y.numpy() == 0)) < 0.7
+
+
+def test_under_xla_gradients_are_equal():
+    x, y = _data()
+    plain, rematerialized = _model(None), _model("full")
+    rematerialized.set_weights(plain.get_weights())
+    a, b = _step(plain, x, y, jit=True), _step(rematerialized, x, y, jit=True)
+    assert float(a[0]) == pytest.approx(float(b[0]), rel=1e-5)
+    for g, h in zip(a[2], b[2], strict=True):
+        np.testing.assert_allclose(h.numpy(), g.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_a_call_with_keyword_tensors_and_no_float_input():
+    """Keyword tensors are differentiated; a call of integers alone is called
+    as it is (nothing to recompute a gradient for)."""
+    scale = tf.Variable(2.0)
+
+    def f(x, *, factor, ids=None):
+        return x * factor * scale + (0.0 if ids is None else tf.cast(ids, x.dtype))
+
+    x, factor = tf.constant([1.0, 2.0]), tf.constant(3.0)
+
+    @tf.function
+    def grads(fn):
+        with tf.GradientTape() as tape:
+            tape.watch([x, factor])
+            out = tf.reduce_sum(fn(x, factor=factor, ids=tf.constant([1, 1])))
+        return tape.gradient(out, [x, factor, scale])
+
+    for g, h in zip(grads(f), grads(remat.remat(f)), strict=True):
+        np.testing.assert_allclose(h.numpy(), g.numpy())
+    ids = tf.constant([3, 1])
+    assert remat.remat(lambda i: i + 1)(ids).numpy().tolist() == [4, 2]
+
+
+def test_remat_of_something_not_callable_is_a_clear_error():
+    with pytest.raises(TypeError, match="`f` must be callable"):
+        remat.remat(3)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "adaptive_float16"])
+def test_fit_adapts_a_rematerialized_model_as_the_plain_one(policy, adapt_every_fit):
+    """Under keras-mp's adaptive policies, with statistics steps and the probe
+    running, a rematerialized model trains to the weights of the plain one,
+    and each layer's forward statistics are recorded once."""
+    from keras_mp.callbacks import AdaptivePrecision
+
+    x, y = _data(64)
+    results = []
+    for mode in (None, "full"):
+        keras_mp.set_global_policy(policy)
+        try:
+            model = _model(mode, seed=1)
+            # SGD: an update in proportion to its gradient (Adam's sign-like
+            # steps turn a rounding difference of a tiny gradient into a whole step).
+            model.compile(optimizer=keras.optimizers.SGD(0.05),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            cb = AdaptivePrecision(interval=2, statistics_every=1, probe_every=3)
+            history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False,
+                                callbacks=[cb])
+            report = keras_mp.precision_report(model)
+            results.append((history.history["loss"], model.get_weights(),
+                            [(r["class"], r["dtype"], r["measured"]) for r in report.rows]))
+        finally:
+            keras_mp.set_global_policy("float32")
+    (loss_a, weights_a, dtypes_a), (loss_b, weights_b, dtypes_b) = results
+    assert np.all(np.isfinite(loss_b))
+    np.testing.assert_allclose(loss_b, loss_a, rtol=2e-2)
+    assert dtypes_b == dtypes_a
+    for v, w in zip(weights_a, weights_b, strict=True):
+        np.testing.assert_allclose(w, v, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_fused_layers_stay_rematerialized_with_equal_gradients(inplace):
+    """``keras_mp.fuse`` keeps each layer's remat mode (in place and in the
+    copy), and the fused, rematerialized model's gradients are the fused
+    plain one's."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        x, y = _data()
+        plain, rematerialized = _model(None), _model("full")
+        rematerialized.set_weights(plain.get_weights())
+        keras.utils.set_random_seed(2)  # a copy's Dropout layers draw new seeds
+        plain = keras_mp.fuse(plain, inplace=inplace)
+        keras.utils.set_random_seed(2)
+        rematerialized = keras_mp.fuse(rematerialized, inplace=inplace)
+        modes = {layer._remat_mode.mode for layer in rematerialized._flatten_layers()
+                 if layer._remat_mode is not None}
+        assert modes == {"full"}
+        assert all(layer._remat_mode is not None for layer in rematerialized._flatten_layers()
+                   if not isinstance(layer, keras.layers.InputLayer))  # never called
+        assert any(type(layer).__module__ == "keras_mp.fused.layers"
+                   for layer in rematerialized._flatten_layers())
+        a, b = _step(plain, x, y), _step(rematerialized, x, y)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert float(a[0]) == pytest.approx(float(b[0]), rel=1e-3)
+    for g, h in zip(a[2], b[2], strict=True):
+        np.testing.assert_allclose(h.numpy(), g.numpy(), rtol=2e-2, atol=2e-3)
+
+
+def test_keras_own_remat_fails_on_the_same_model(monkeypatch):
+    """What keras-mp replaces: Keras's remat, on the model above, in graph mode."""
+    from keras.src.backend.tensorflow import core
+
+    monkeypatch.setattr(core, "remat", remat._state["keras_remat"])
+    x, y = _data()
+    with pytest.raises(ValueError, match=remat.FAULT):
+        _step(_model("full"), x, y)
