@@ -37,6 +37,10 @@ weights in bfloat16 saves; ``keras_mp_compact_moments`` is ``keras_mp`` with
 ``keras_mp.config.set_compact_moments(True)`` (AdamW's moments in bfloat16);
 ``keras_mp_compact`` adds ``keras_mp.config.set_compact_weights(True)`` to
 it (the trained weights and their gradients in bfloat16 too).
+``keras_mp_remat`` is ``keras_mp`` with the model built inside
+``keras.RematScope("full")``: every layer's intermediate tensors recomputed
+on the backward pass (:mod:`keras_mp.execution.remat`; Keras's own TensorFlow
+``remat`` fails on this model in graph mode).
 ``--repeats N`` runs every variant N times, interleaved, and reports the run
 of median peak (``peak_samples``: all of them).
 
@@ -54,6 +58,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -72,7 +77,7 @@ SIZE: dict[str, int] = dict(vocabulary_size=32000, num_layers=8, num_query_heads
 BATCH, LENGTH, STEPS, LORA_RANK = 4, 128, 4, 8
 VARIANTS: tuple[str, ...] = ("keras_float32", "keras_mixed_bfloat16", "keras_mp",
                              "keras_mp_float32_storage", "keras_mp_compact_moments",
-                             "keras_mp_compact")
+                             "keras_mp_compact", "keras_mp_remat")
 TUNINGS: tuple[str, ...] = ("full", "lora")
 _MARK = "KERAS_MP_LLM_MEMORY "
 
@@ -152,7 +157,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         keras_mp.set_global_policy("adaptive")
         keras_mp.config.set_compact_storage(variant != "keras_mp_float32_storage")
         keras_mp.config.set_compact_moments(variant in ("keras_mp_compact_moments",
-                                                        "keras_mp_compact"))
+                                                        "keras_mp_compact", "keras_mp_remat"))
         keras_mp.config.set_compact_weights(variant == "keras_mp_compact")
     else:
         keras.config.set_dtype_policy(variant.removeprefix("keras_"))
@@ -163,8 +168,9 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     y = tokens[:, 1:].astype("int32")
     baseline = _rss("VmRSS")
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.LlamaBackbone(**SIZE)
-    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    with keras.RematScope("full") if variant == "keras_mp_remat" else contextlib.nullcontext():
+        backbone = keras_hub.models.LlamaBackbone(**SIZE)
+        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
     if spec["tuning"] == "lora":
         backbone.enable_lora(LORA_RANK)
     model.compile(optimizer=keras.optimizers.AdamW(1e-4),
