@@ -157,7 +157,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         keras_mp.set_global_policy("adaptive")
         keras_mp.config.set_compact_storage(variant != "keras_mp_float32_storage")
         keras_mp.config.set_compact_moments(variant in ("keras_mp_compact_moments",
-                                                        "keras_mp_compact", "keras_mp_remat"))
+                                                        "keras_mp_compact"))
         keras_mp.config.set_compact_weights(variant == "keras_mp_compact")
     else:
         keras.config.set_dtype_policy(variant.removeprefix("keras_"))

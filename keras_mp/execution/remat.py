@@ -91,29 +91,30 @@ def recomputing() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-def _seed_generators(f: Callable) -> list:
-    """The seed generators ``f`` may draw from: those of its layer (``f`` a
-    bound method of a layer, with its sublayers') and Keras's global one."""
+def _layers_of(f: Callable) -> list:
+    """The layers a call of ``f`` runs: its layer's tree (``f`` a bound method
+    of a layer, or a wrapper of one such as keras-mp's hooks install), else
+    none."""
+    while f is not None and not hasattr(f, "__self__"):
+        f = getattr(f, "__wrapped__", None)
+    owner = getattr(f, "__self__", None)
+    return list(owner._flatten_layers(include_self=True)) \
+        if isinstance(owner, keras.layers.Layer) else []
+
+
+def _seed_generators(layers: list) -> list:
+    """The seed generators a call may draw from: those of its ``layers``
+    (:func:`_layers_of`) and Keras's global one."""
     from keras.src.backend.common import global_state
     from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
 
-    owner = getattr(f, "__self__", None)
     found = []
-    if isinstance(owner, keras.layers.Layer):
-        for layer in owner._flatten_layers(include_self=True):
-            found.extend(getattr(layer, "_seed_generators", ()))
+    for layer in layers:
+        found.extend(getattr(layer, "_seed_generators", ()))
     shared = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
     if shared is not None:
         found.append(shared)
     return list({id(g): g for g in found}.values())
-
-
-def _layers_of(f: Callable) -> list:
-    """The layers whose losses a call of ``f`` may add: its layer's tree (``f``
-    a bound method of a layer), else none."""
-    owner = getattr(f, "__self__", None)
-    return list(owner._flatten_layers(include_self=True)) \
-        if isinstance(owner, keras.layers.Layer) else []
 
 
 def _loss_marks(layers: list, outer) -> tuple:
@@ -215,11 +216,11 @@ def remat(f: Callable) -> Callable:
         # What the forward pass reads, read before it runs (automatic control
         # dependencies order the read before the forward pass's assignments).
         mapping = dict(outer.state_mapping) if outer is not None else {}
-        for generator in _seed_generators(f):
+        layers = _layers_of(f)
+        for generator in _seed_generators(layers):
             mapping[id(generator.state)] = tf.identity(generator.state.value)
         autocast = get_autocast_scope()
         call_context = global_state.get_global_attribute("current_call_ctx")
-        layers = _layers_of(f)
         passes = {"forward": True}
         structure: dict[str, Any] = {}
 

@@ -17,15 +17,18 @@ from keras_mp.execution import remat
 T, D = 8, 16
 
 
+class Penalty(keras.layers.Layer):
+    """An ``add_loss`` term made inside a call."""
+
+    def call(self, x):
+        self.add_loss(1e-3 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
 def _model(mode: str | None, seed: int = 0) -> keras.Model:
     """Dense with an activation, attention (called with keyword arguments),
     Dropout, BatchNormalization, LayerNormalization, an add_loss term."""
     keras.utils.set_random_seed(seed)
-
-    class Penalty(keras.layers.Layer):
-        def call(self, x):
-            self.add_loss(1e-3 * keras.ops.mean(keras.ops.square(x)))
-            return x
 
     def build():
         inputs = keras.Input((T, D))
@@ -148,8 +151,9 @@ def test_remat_of_something_not_callable_is_a_clear_error():
         remat.remat(3)
 
 
-@pytest.mark.parametrize("policy", ["adaptive", "adaptive_float16"])
-def test_fit_adapts_a_rematerialized_model_as_the_plain_one(policy, adapt_every_fit):
+@pytest.mark.parametrize("policy,mode", [("adaptive", "full"), ("adaptive", "larger_than"),
+                                         ("adaptive_float16", "larger_than")])
+def test_fit_adapts_a_rematerialized_model_as_the_plain_one(policy, mode, adapt_every_fit):
     """Under keras-mp's adaptive policies, with statistics steps and the probe
     running, a rematerialized model trains to the weights of the plain one,
     and each layer's forward statistics are recorded once."""
@@ -157,10 +161,10 @@ def test_fit_adapts_a_rematerialized_model_as_the_plain_one(policy, adapt_every_
 
     x, y = _data(64)
     results = []
-    for mode in (None, "full"):
+    for remat_mode in (None, mode):
         keras_mp.set_global_policy(policy)
         try:
-            model = _model(mode, seed=1)
+            model = _model(remat_mode, seed=1)
             # SGD: an update in proportion to its gradient (Adam's sign-like
             # steps turn a rounding difference of a tiny gradient into a whole step).
             model.compile(optimizer=keras.optimizers.SGD(0.05),
@@ -218,3 +222,102 @@ def test_keras_own_remat_fails_on_the_same_model(monkeypatch):
     x, y = _data()
     with pytest.raises(ValueError, match=remat.FAULT):
         _step(_model("full"), x, y)
+
+
+def test_eager_calls_are_rematerialized_alike():
+    x, y = _data()
+    plain, rematerialized = _model(None), _model("full")
+    rematerialized.set_weights(plain.get_weights())
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    grads = []
+    for model in (plain, rematerialized):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)) + tf.add_n(model.losses)
+        grads.append(tape.gradient(loss, model.trainable_variables))
+    for g, h in zip(*grads, strict=True):
+        np.testing.assert_allclose(h.numpy(), g.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_kerashub_llama_trains_rematerialized_under_adaptive(adapt_every_fit):
+    """KerasHub's Llama built inside RematScope("full") (Keras's own remat fails
+    on it: keyword arguments), statistics and the probe running: the losses of
+    the plain model."""
+    keras_hub = pytest.importorskip("keras_hub")
+    import contextlib
+
+    from keras_mp.callbacks import AdaptivePrecision
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 500, (32, 17))
+    x = {"token_ids": tokens[:, :-1].astype("int32"),
+         "padding_mask": np.ones((32, 16), "int32")}
+    y = tokens[:, 1:].astype("int32")
+    losses = []
+    for mode in (None, "full"):
+        keras_mp.set_global_policy("adaptive")
+        try:
+            keras.utils.set_random_seed(0)
+            with keras.RematScope(mode) if mode else contextlib.nullcontext():
+                backbone = keras_hub.models.LlamaBackbone(
+                    vocabulary_size=500, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+                    hidden_dim=32, intermediate_dim=64)
+                model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), weighted_metrics=[],
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                                callbacks=[AdaptivePrecision(interval=2, statistics_every=1,
+                                                             probe_every=3)])
+            losses.append(history.history["loss"])
+        finally:
+            keras_mp.set_global_policy("float32")
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-3)
+
+
+def test_lifecycle_of_a_rematerialized_model(tmp_path, adapt_every_fit):
+    """fit, save, load, export and quantize a model built inside RematScope
+    under "adaptive" (the file holds no remat mode: Keras saves none)."""
+    x, y = _data(32)
+    keras_mp.set_global_policy("adaptive")
+    try:
+        model = _model("larger_than")
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        expected = model.predict(x, verbose=0)
+        path = str(tmp_path / "remat.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path, custom_objects={"Penalty": Penalty})
+        np.testing.assert_array_equal(loaded.predict(x, verbose=0), expected)
+        model.export(str(tmp_path / "served"))
+        served = tf.saved_model.load(str(tmp_path / "served"))
+        np.testing.assert_allclose(served.serve(tf.constant(x)).numpy(), expected,
+                                   rtol=1e-2, atol=1e-2)
+        model.quantize("int8")
+        assert np.all(np.isfinite(model.predict(x, verbose=0)))
+    finally:
+        keras_mp.set_global_policy("float32")
+
+
+def test_a_wrapped_layer_call_keeps_its_dropout_masks():
+    """A layer's call wrapped (as keras-mp's hooks wrap it, ``functools.wraps``):
+    the seeds are still the layer's, read as the forward pass read them."""
+    import functools
+
+    layer = keras.layers.Dropout(0.5, seed=4)
+    original = layer.call
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    x = tf.ones([64, 32])
+
+    @tf.function
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = remat.remat(call)(x, training=True)
+        return y, tape.gradient(y, x)
+
+    y, g = run()
+    assert np.array_equal(y.numpy() == 0, g.numpy() == 0)

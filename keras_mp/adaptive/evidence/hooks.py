@@ -87,11 +87,14 @@ def _current_graph():
 
 
 def _training() -> bool:
-    """Whether the innermost Keras layer call runs in training mode."""
+    """Whether the innermost Keras layer call runs in training mode, in a
+    step (not in a scratch graph where Keras infers a call's output shapes,
+    as ``keras.RematScope("larger_than")`` does inside a training call)."""
     from keras.src.backend.common import global_state  # no public equivalent
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     ctx = global_state.get_global_attribute("current_call_ctx")
-    return bool(ctx is not None and ctx.training)
+    return bool(ctx is not None and ctx.training) and not in_symbolic_scope()
 
 
 class Hooks:
