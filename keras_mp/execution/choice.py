@@ -325,6 +325,8 @@ def _make_train_function(model: keras.Model, state: _State,
         if chosen != "graph":
             fn = step_trial.FirstCallGuard(model, fn, _fall_back(model, state, chosen), ENV_VAR,
                                            known_failure=lambda: chosen in state.failed)
+        # Built before the first trace, so that the step is traced once.
+        fn = optimizer_state.metrics_built_first(model, fn)
         model.train_function = memory.released_after_first_call(fn)
         return model.train_function
 

@@ -94,3 +94,43 @@ def test_no_optimizer_and_bad_input():
     assert optimizer_state.build(model) is False
     with pytest.raises(TypeError, match="`model`"):
         optimizer_state.build("model")
+
+
+@pytest.mark.parametrize("how", ["configure", "float32_only", "adaptive"])
+def test_compiled_metrics_are_built_before_the_first_trace(how, adapt_every_fit):
+    """Compiled metrics create variables too (Keras builds them in the first
+    trace): built from the iterator's element spec first, the step is traced
+    once, and the metrics read as Keras's."""
+    import keras_mp
+
+    x, y = _data()
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse",
+                      metrics=["mae", keras.metrics.RootMeanSquaredError()])
+        return model
+
+    expected = build().fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history
+    if how != "configure":
+        keras_mp.set_global_policy("adaptive" if how == "adaptive" else
+                                   keras_mp.AdaptivePolicy(candidates=("float32",)))
+    try:
+        model = build()
+        if how == "configure":
+            execution.configure(model, mode="graph")
+        got = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history
+    finally:
+        keras_mp.set_global_policy("float32")
+    assert _step_functions(model) and _variable_creating_traces(model) == 0
+    # Keras's numbers where the dtypes are Keras's (float32); close in 16 bits.
+    rtol = 2e-2 if how == "adaptive" else 1e-5
+    for name in ("loss", "mae", "root_mean_squared_error"):
+        np.testing.assert_allclose(got[name], expected[name], rtol=rtol)
+
+
+def test_metrics_built_first_checks_its_model():
+    with pytest.raises(TypeError, match="`model` must be a keras.Model"):
+        optimizer_state.metrics_built_first("model", lambda it: it)
