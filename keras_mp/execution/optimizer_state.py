@@ -29,12 +29,15 @@ Example:
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import keras
 
 __all__ = ["build", "build_metrics", "inner", "metrics_built_first"]
+
+_log = logging.getLogger("keras_mp")
 
 
 def inner(optimizer: Any) -> keras.optimizers.Optimizer:
@@ -152,6 +155,11 @@ def metrics_built_first(model: keras.Model, fn: Callable[[Any], Any]) -> Callabl
             if spec is None and isinstance(iterator, (list, tuple)) and iterator:
                 spec = iterator[0]  # a list of batches (read already)
             if spec is not None:
-                build_metrics(model, spec)
+                try:
+                    build_metrics(model, spec)
+                except Exception as e:  # noqa: BLE001 - Keras builds them in the trace then
+                    # A model Keras cannot call symbolically (Keras itself does so only
+                    # under a distribution strategy): as without keras-mp.
+                    _log.debug("keras_mp: metrics not built before the first trace: %s", e)
         return fn(iterator, *args, **kwargs)
     return call

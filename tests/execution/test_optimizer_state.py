@@ -134,3 +134,31 @@ def test_compiled_metrics_are_built_before_the_first_trace(how, adapt_every_fit)
 def test_metrics_built_first_checks_its_model():
     with pytest.raises(TypeError, match="`model` must be a keras.Model"):
         optimizer_state.metrics_built_first("model", lambda it: it)
+
+
+def test_a_model_keras_cannot_call_symbolically_still_trains():
+    """Building metrics first calls the model symbolically; a model that
+    cannot be called so trains as without keras-mp (its metrics built in the
+    trace)."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    class Picky(keras.layers.Layer):
+        def call(self, x):
+            if in_symbolic_scope():
+                raise RuntimeError("no symbolic calls here")
+            return x * 2.0
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.picky, self.dense = Picky(), keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(self.picky(x))
+
+    x, y = _data()
+    model = Net()
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    execution.configure(model, mode="graph")
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert np.isfinite(history.history["mae"][0])

@@ -321,3 +321,19 @@ def test_a_wrapped_layer_call_keeps_its_dropout_masks():
 
     y, g = run()
     assert np.array_equal(y.numpy() == 0, g.numpy() == 0)
+
+
+def test_under_a_mirrored_strategy(two_replica_strategy):
+    """Two replicas, the model built in the strategy's scope inside RematScope:
+    the losses of the plain model."""
+    x, y = _data(32)
+    losses = []
+    for mode in (None, "larger_than"):
+        with two_replica_strategy.scope():
+            model = _model(mode, seed=3)
+            model.compile(optimizer=keras.optimizers.SGD(0.05),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        losses.append(model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                                shuffle=False).history["loss"])
+    assert np.all(np.isfinite(losses[1]))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
