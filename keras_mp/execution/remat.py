@@ -38,11 +38,12 @@ gradient to recompute for). ``tf.recompute_grad`` makes the recomputation wait
 for the incoming gradient, so the executor cannot run it early.
 
 What it saves, same machine class (2-core AMD EPYC with AVX512-BF16), the
-model above built inside the scope, one fresh process per variant, TensorFlow's
-allocator peak: ``mixed_bfloat16`` 1199 MiB, ``RematScope("activations")``
-984, ``"full"`` 574, ``"larger_than"`` 553 (each layer's intermediates are
-recomputed, the attention scores the largest); the step costs one more
-forward pass. docs/memory.md has the benchmark.
+model above built inside the scope, one fresh process per variant, single
+runs, TensorFlow's allocator peak: ``mixed_bfloat16`` 1199 MiB,
+``RematScope("activations")`` 984 (Keras's own), ``"full"`` 565,
+``"larger_than"`` 528 (each layer's intermediates are recomputed, the
+attention scores the largest); the step costs one more forward pass.
+docs/memory.md has the benchmark (3 runs of each variant).
 
 Example:
     >>> import keras, numpy as np, tensorflow as tf
