@@ -36,7 +36,8 @@ from keras_mp.adaptive.storage import frozen, moments, trained, variables as sto
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
-from keras_mp.execution import compact_update, fused_update, native_update, optimizer_state
+from keras_mp.execution import (compact_update, fused_update, native_update, optimizer_state,
+                                 remat)
 from keras_mp.execution import step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.fused import losses as fused_losses
@@ -63,7 +64,7 @@ MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain
            "deploy", "deploy.export", "deploy.quantization", "device", "device.capabilities",
            "device.memory", "device.xla", "distribute", "execution", "execution.fused_update",
            "execution.compact_update", "execution.inference", "execution.native_update",
-           "execution.optimizer_state", "execution.reasons",
+           "execution.optimizer_state", "execution.reasons", "execution.remat",
            "execution.step_trial", "fused", "fused.fuse", "fused.layers", "fused.losses",
            "fused.metrics", "fused.ops", "fused.shared_matches", "policies", "scaling",
            "scaling.kernels", "scaling.layer_scales", "scaling.loss_scale", "scaling.optimizer",
@@ -74,6 +75,7 @@ MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain
 NO_ARGUMENTS = {
     "distribute.keras_multi_worker_faults", "distribute.patch_multi_worker",
     "distribute.patched_faults", "distribute.unpatch_multi_worker",
+    "execution.remat.install", "execution.remat.keras_has_fault", "execution.remat.recomputing",
     "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "device.xla.disabled", "execution.reasons.maps", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments
@@ -725,6 +727,9 @@ CASES = [
                                   build=1), TypeError, "`build`"),
     ("execution.optimizer_state.build_metrics",
      lambda: optimizer_state.build_metrics("model", None), TypeError, "`model`"),
+    ("execution.optimizer_state.metrics_built_first",
+     lambda: optimizer_state.metrics_built_first("model", len), TypeError, "`model`"),
+    ("execution.remat.remat", lambda: remat.remat(3), TypeError, "`f`"),
     ("execution.start_up.kept_reason",
      lambda: execution.start_up.kept_reason("m", "rule", len), TypeError, "`model`"),
     ("execution.start_up.fitting",
