@@ -24,7 +24,7 @@ Example:
     >>> import keras_mp
     >>> from keras_mp import _keras_changes
     >>> [change.name for change in _keras_changes.ON_IMPORT if change.kind == "fault"]
-    ['multi_worker_fit', 'quantize_policy_map', 'atomic_saves', 'atomic_backups', 'remat_graph_mode']
+    ['multi_worker_fit', 'quantize_policy_map', 'atomic_saves', 'atomic_backups', 'remat']
     >>> _keras_changes.installed() == tuple(c.name for c in _keras_changes.ON_IMPORT)
     True
 """
@@ -116,11 +116,13 @@ ON_IMPORT: tuple[Change, ...] = (
            "BackupAndRestore replaces its weights and then its metadata (a kill inside or between "
            "them breaks the resume); each backup is a new folder, named by a pointer written last",
            "3.15.1", "keras_mp._saves", _call("keras_mp._saves", "install", "backups")),
-    Change("remat_graph_mode", "fault", ("keras.src.backend.tensorflow.core:remat",),
+    Change("remat", "fault",
+           ("keras.src.backend.tensorflow.core:remat",
+            "keras.src.ops.operation:Operation.rematerialized_call"),
            "keras.RematScope and keras.remat fail in graph mode on a call with keyword "
            "arguments, and recompute outside the call's autocast scope and call context, with "
-           "new dropout masks and second moving-statistics updates; recomputed as the forward "
-           "pass ran",
+           "new dropout masks and second moving-statistics updates; 'larger_than' sizes outputs "
+           "from backend tensors (a residual Add fails); recomputed as the forward pass ran",
            "3.15.1", "keras_mp.execution.remat", _call("keras_mp.execution.remat", "install")),
     Change("fit_adapts", "feature", ("keras:Model.fit",),
            "fit adds AdaptivePrecision to a model under an adaptive policy, so that setting the "

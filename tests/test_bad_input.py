@@ -76,6 +76,7 @@ NO_ARGUMENTS = {
     "distribute.keras_multi_worker_faults", "distribute.patch_multi_worker",
     "distribute.patched_faults", "distribute.unpatch_multi_worker",
     "execution.remat.install", "execution.remat.keras_has_fault", "execution.remat.recomputing",
+    "execution.remat.output_measured_symbolically",  # wraps Keras's own method, once, on import
     "policies.global_policy", "device.xla.cpu_has_bf16_matmul", "device.xla.memory_maps", "device.xla.disabled", "execution.reasons.maps", "datasets.default_data_dir",
     "datasets.default_name", "tuning.TuningMetrics",
     "scaling.loss_scale.LossScaleSchedule",  # abstract base: no arguments

@@ -189,7 +189,10 @@ def test_keras_still_has_the_remat_fault():
 
     from keras_mp.execution import remat
 
+    from keras.src.ops.operation import Operation
+
     assert core.remat is remat.remat  # installed
+    assert Operation.rematerialized_call.__wrapped__ is remat._state["keras_rematerialized_call"]
     assert remat.keras_has_fault(), (
         "Keras's remat no longer fails on keyword arguments: check the other faults of "
         "keras_mp/execution/remat.py and remove the change where Keras has fixed them.")

@@ -23,16 +23,23 @@ benchmarks.transformer_memory``), it fails in four ways:
 4. **It assigns and adds again** what the forward pass assigned and added:
    ``BatchNormalization``'s moving statistics move twice a step, an
    ``add_loss`` term from inside a call counts twice.
+5. **``"larger_than"`` asks each layer's ``compute_output_spec`` about the
+   call's own tensors** (``Operation.rematerialized_call``), which some layers
+   read as Keras tensors: every model with a residual ``Add`` (ResNet50V2
+   built inside the scope) fails with "'SymbolicTensor' object has no
+   attribute 'sparse'", on any backend.
 
 Here (installed on import, ``keras_mp/_keras_changes.py``, change
-``remat_graph_mode``, only where the installed Keras still has fault 1), the
+``remat``, only where the installed Keras still has faults 1 and 5), the
 tensors of the call go through ``tf.recompute_grad`` as positional inputs and
 everything else (Python values, ``training``, integer and boolean tensors)
 is closed over; the recomputation runs inside the forward pass's autocast
 scope and call context, and inside a ``keras.StatelessScope`` that reads
 every ``SeedGenerator`` of the layer (and the global one) as the forward pass
 read it and keeps every assignment and loss to itself. keras-mp's forward
-statistics are recorded on the forward pass only (:func:`recomputing`). A call
+statistics are recorded on the forward pass only (:func:`recomputing`), and
+``"larger_than"`` measures a call's output from Keras tensors of its inputs'
+shapes and dtypes (:func:`output_measured_symbolically`). A call
 with no floating-point tensor runs without rematerialization (there is no
 gradient to recompute for). ``tf.recompute_grad`` makes the recomputation wait
 for the incoming gradient, so the executor cannot run it early.
@@ -74,7 +81,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["FAULT", "install", "keras_has_fault", "recomputing", "remat"]
+__all__ = ["FAULT", "install", "keras_has_fault", "output_measured_symbolically", "recomputing",
+           "remat"]
 
 #: Where Keras's TensorFlow ``remat`` lives (replaced by :func:`install`).
 TARGET = "keras.src.backend.tensorflow.core:remat"
@@ -82,7 +90,7 @@ TARGET = "keras.src.backend.tensorflow.core:remat"
 FAULT = "supports keywords arguments only when eager execution is enabled"
 
 _local = threading.local()
-_state: dict[str, Any] = {"keras_remat": None}
+_state: dict[str, Any] = {"keras_remat": None, "keras_rematerialized_call": None}
 
 
 def recomputing() -> bool:
@@ -265,6 +273,29 @@ def remat(f: Callable) -> Callable:
     return rematerialized
 
 
+def _symbolic(x):
+    if isinstance(x, tf.SparseTensor):
+        return keras.KerasTensor(x.shape, x.dtype, sparse=True)
+    if tf.is_tensor(x) and not isinstance(x, tf.RaggedTensor):
+        return keras.KerasTensor(x.shape, x.dtype)
+    return x
+
+
+def output_measured_symbolically(original: Callable) -> Callable:
+    """Keras's ``Operation.rematerialized_call`` (``original``), handed Keras
+    tensors of the call's tensors (the same shapes and dtypes): it reads them
+    only to size the output in ``"larger_than"`` mode (fault 5 of the module
+    docstring), and the call itself gets the real ones."""
+    @functools.wraps(original)
+    def rematerialized_call(self, fn, *args, **kwargs):
+        mode = getattr(self, "_remat_mode", None)
+        if mode is not None and mode.mode == "larger_than":
+            args, kwargs = keras.tree.map_structure(_symbolic, (args, kwargs))
+        return original(self, fn, *args, **kwargs)
+    rematerialized_call.__wrapped__ = original
+    return rematerialized_call
+
+
 def keras_has_fault() -> bool:
     """Whether the installed Keras's TensorFlow ``remat`` still fails on a
     keyword argument in graph mode (fault 1 of the module docstring): a call
@@ -292,13 +323,21 @@ def keras_has_fault() -> bool:
 
 def install() -> None:
     """Replaces Keras's TensorFlow ``remat`` with :func:`remat` (once), where
-    the installed Keras's is still ``tf.recompute_grad(f)`` (which has the
-    fault: :func:`keras_has_fault`)."""
+    the installed Keras's is still ``tf.recompute_grad(f)`` (which has fault
+    1: :func:`keras_has_fault`), and wraps ``Operation.rematerialized_call``
+    (:func:`output_measured_symbolically`) where it still sizes the output
+    from the call's own tensors (fault 5)."""
     from keras.src.backend.tensorflow import core
 
+    from keras.src.ops.operation import Operation
+
     # Read from the source, not called: a traced call at import costs time.
-    if _state["keras_remat"] is not None or \
-            "return tf.recompute_grad(f)" not in inspect.getsource(core.remat):
-        return
-    _state["keras_remat"] = core.remat
-    core.remat = remat
+    if _state["keras_remat"] is None and \
+            "return tf.recompute_grad(f)" in inspect.getsource(core.remat):
+        _state["keras_remat"] = core.remat
+        core.remat = remat
+    if _state["keras_rematerialized_call"] is None and "self.compute_output_spec(*args, **kwargs)" \
+            in inspect.getsource(Operation.rematerialized_call):
+        _state["keras_rematerialized_call"] = Operation.rematerialized_call
+        Operation.rematerialized_call = output_measured_symbolically(
+            Operation.rematerialized_call)

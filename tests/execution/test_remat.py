@@ -61,7 +61,7 @@ def _step(model: keras.Model, x, y, jit: bool = False):
     def step(x, y):
         with tf.GradientTape() as tape:
             out = model(x, training=True)
-            extra = tf.add_n([tf.cast(a, tf.float32) for a in model.losses])
+            extra = tf.add_n([tf.constant(0.0)] + [tf.cast(a, tf.float32) for a in model.losses])
             loss = loss_fn(y, out) + extra
         return loss, extra, tape.gradient(loss, model.trainable_variables)
 
@@ -337,3 +337,45 @@ def test_under_a_mirrored_strategy(two_replica_strategy):
                                 shuffle=False).history["loss"])
     assert np.all(np.isfinite(losses[1]))
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+
+
+def _residual(mode: str | None) -> keras.Model:
+    keras.utils.set_random_seed(5)
+
+    def build():
+        inputs = keras.Input((8, 8, 3))
+        x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+        y = keras.layers.BatchNormalization()(keras.layers.Conv2D(8, 3, padding="same")(x))
+        x = keras.layers.Add()([x, y])
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+    if mode is None:
+        return build()
+    with keras.RematScope(mode, output_size_threshold=64):
+        return build()
+
+
+def test_larger_than_on_a_residual_model():
+    """Keras sizes a "larger_than" call's output from the call's own tensors,
+    which Add cannot read: keras-mp sizes it from Keras tensors of them."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, size=(16,)).astype("int32")
+    plain, rematerialized = _residual(None), _residual("larger_than")
+    rematerialized.set_weights(plain.get_weights())
+    a, b = _step(plain, x, y), _step(rematerialized, x, y)
+    assert float(a[0]) == pytest.approx(float(b[0]), rel=1e-6)
+    for g, h in zip(a[2], b[2], strict=True):
+        np.testing.assert_allclose(h.numpy(), g.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_keras_own_larger_than_fails_on_a_residual_model(monkeypatch):
+    from keras.src.ops.operation import Operation
+
+    monkeypatch.setattr(Operation, "rematerialized_call",
+                        remat._state["keras_rematerialized_call"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8, 8, 3)).astype("float32")
+    with pytest.raises(AttributeError, match="sparse"):
+        _step(_residual("larger_than"), x, np.zeros(16, "int32"))
