@@ -151,7 +151,7 @@ def metrics_built_first(model: keras.Model, fn: Callable[[Any], Any]) -> Callabl
     def call(iterator, *args, **kwargs):
         if first[0]:
             first[0] = False
-            spec = getattr(iterator, "element_spec", None)
+            spec = getattr(iterator, "element_spec", None) if _trace_would_build(model) else None
             if spec is None and isinstance(iterator, (list, tuple)) and iterator:
                 spec = iterator[0]  # a list of batches (read already)
             if spec is not None:
@@ -163,3 +163,19 @@ def metrics_built_first(model: keras.Model, fn: Callable[[Any], Any]) -> Callabl
                     _log.debug("keras_mp: metrics not built before the first trace: %s", e)
         return fn(iterator, *args, **kwargs)
     return call
+
+
+def _trace_would_build(model: keras.Model) -> bool:
+    """Whether the first trace of ``model``'s step would create variables that
+    :func:`build_metrics` makes first: compiled metrics, a layer not built,
+    or the per-output loss trackers of a compiled loss with several terms. A
+    single loss of a single-output functional model makes none, and its
+    symbolic build (a call of the whole model) would only cost time."""
+    metrics, loss = getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None)
+    if (metrics is not None and not metrics.built) \
+            or not all(layer.built for layer in model._flatten_layers()):
+        return True
+    if loss is None or loss.built:
+        return False
+    single_output = len(getattr(model, "outputs", None) or ()) == 1
+    return not (single_output and not keras.tree.is_nested(loss._user_loss))

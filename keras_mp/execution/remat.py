@@ -84,8 +84,6 @@ import tensorflow as tf
 __all__ = ["FAULT", "install", "keras_has_fault", "output_measured_symbolically", "recomputing",
            "remat"]
 
-#: Where Keras's TensorFlow ``remat`` lives (replaced by :func:`install`).
-TARGET = "keras.src.backend.tensorflow.core:remat"
 #: The error Keras's ``remat`` raises for a keyword argument in graph mode.
 FAULT = "supports keywords arguments only when eager execution is enabled"
 

@@ -31,11 +31,7 @@ def _swap(layer: keras.layers.Layer) -> keras.layers.Layer:
     config = layer.get_config()
     # Every other layer is cloned as clone_model would, so the copy shares
     # no state with the original.
-    copy = (fused_cls or layer.__class__).from_config(config)
-    # A layer made inside keras.RematScope stays rematerialized (a config
-    # does not hold the scope's mode).
-    copy._remat_mode = getattr(layer, "_remat_mode", None)
-    return copy
+    return (fused_cls or layer.__class__).from_config(config)
 
 
 def fuse(model: keras.Model, *, inplace: bool = False) -> keras.Model:
@@ -106,13 +102,15 @@ def fuse(model: keras.Model, *, inplace: bool = False) -> keras.Model:
         fused, pairs = clone_with_weights(model, _swap)
     except RuntimeError as e:
         raise RuntimeError(f"fuse(): {e}") from e
-    _share_policies([(model, fused)] + [
+    matched = [(model, fused)] + [
         (a, b) for source, copy in pairs
-        for a, b in zip(source._flatten_layers(), copy._flatten_layers())])
-    _swap_in_place(fused)  # layers inside layers, which cloning rebuilt from their config
-    for source, copy in [(model, fused)] + [
-            pair for a, b in pairs for pair in zip(a._flatten_layers(), b._flatten_layers())]:
+        for a, b in zip(source._flatten_layers(), copy._flatten_layers())]
+    _share_policies(matched)
+    for source, copy in matched:
+        # A layer made inside keras.RematScope stays rematerialized (a config
+        # does not hold the scope's mode).
         copy._remat_mode = getattr(source, "_remat_mode", None)
+    _swap_in_place(fused)  # layers inside layers, which cloning rebuilt from their config
     return fused
 
 

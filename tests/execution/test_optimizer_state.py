@@ -162,3 +162,17 @@ def test_a_model_keras_cannot_call_symbolically_still_trains():
     execution.configure(model, mode="graph")
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert np.isfinite(history.history["mae"][0])
+
+
+def test_a_loss_alone_is_not_built_first(monkeypatch):
+    """A single loss on a single-output model creates no variable in the trace:
+    no symbolic call of the model before it, and the step is still traced once."""
+    built = []
+    monkeypatch.setattr(optimizer_state, "build_metrics",
+                        lambda model, batch: built.append(model) or False)
+    x, y = _data()
+    model = _model()  # loss="mse", no metrics
+    execution.configure(model, mode="graph")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert built == []
+    assert _step_functions(model) and _variable_creating_traces(model) == 0
