@@ -379,3 +379,35 @@ def test_keras_own_larger_than_fails_on_a_residual_model(monkeypatch):
     x = rng.normal(size=(16, 8, 8, 3)).astype("float32")
     with pytest.raises(AttributeError, match="sparse"):
         _step(_residual("larger_than"), x, np.zeros(16, "int32"))
+
+
+def _fit_adaptive(x, y, seed: int = 7) -> keras.Model:
+    keras_mp.set_global_policy("adaptive")
+    try:
+        model = _model("larger_than", seed=seed)
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False,
+                  callbacks=[keras_mp.callbacks.AdaptivePrecision(
+                      interval=2, statistics_every=1, probe_every=3)])
+    finally:
+        keras_mp.set_global_policy("float32")
+    return model
+
+
+def test_a_seeded_rematerialized_fit_repeats(adapt_every_fit):
+    x, y = _data(64)
+    a, b = _fit_adaptive(x, y), _fit_adaptive(x, y)
+    for v, w in zip(a.get_weights(), b.get_weights(), strict=True):
+        np.testing.assert_array_equal(w, v)
+
+
+def test_a_nan_batch_leaves_a_rematerialized_model_as_it_was(adapt_every_fit):
+    """A NaN batch is skipped: weights and BatchNormalization's moving
+    statistics (assigned on the forward pass, recomputed without assigning)
+    stay finite."""
+    x, y = _data(64)
+    x[16:32] = np.nan
+    with pytest.warns(UserWarning, match="skipped"):
+        model = _fit_adaptive(x, y)
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
