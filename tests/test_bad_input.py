@@ -86,6 +86,7 @@ NO_ARGUMENTS = {
     "config.skip_nonfinite", "config.compact_storage", "adaptive.storage.frozen.enabled",
     "config.compact_moments", "adaptive.storage.moments.enabled",
     "config.compact_weights", "adaptive.storage.trained.enabled",
+    "execution.compact_update.compiled",
     # what fit was given, read as Keras reads it: None where it says nothing
     "adaptive.decisions.gain.fit_steps",
     "adaptive.policy.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
@@ -233,6 +234,8 @@ CASES = [
      TypeError, "`optimizer`"),
     ("adaptive.storage.trained.allowed", lambda: trained.allowed("model"), TypeError, "`model`"),
     ("adaptive.storage.trained.mark", lambda: trained.mark("adam", [], False), TypeError,
+     "`optimizer`"),
+    ("adaptive.storage.trained.exclude_decay", lambda: trained.exclude_decay("adamw"), TypeError,
      "`optimizer`"),
     ("execution.compact_update.compact_weight",
      lambda: compact_update.compact_weight("adam", None), TypeError, "`optimizer`"),

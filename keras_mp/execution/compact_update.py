@@ -28,23 +28,32 @@ replicas agree). Measured with ``python -m benchmarks.compact_quality``
 (1000 steps, held-out loss against Keras float32's): both moments dithered
 with one sequence (the second's half a period on) ended 1.4 % and 2.1 %
 above float32 on seeds 0 and 1, the first to nearest 0.3 % above and 0.1 %
-below (docs/benchmarks.md). The function is XLA-compiled where elementwise
-work is (:func:`keras_mp.device.xla.uses_xla`): one pass over the variable's
-memory, as TensorFlow's fused kernel.
+below (docs/benchmarks.md). The function is XLA-compiled wherever XLA runs
+(:func:`compiled`), also where keras-mp's timing-based XLA is off (a short
+fit): one pass over the variable's memory, as TensorFlow's fused kernel, where
+its TensorFlow ops make a new tensor of the variable's size per step.
 
 The same update serves weights stored in bfloat16
 (:mod:`keras_mp.adaptive.storage.trained`): the weight is read in float32,
 AdamW's decay applied to it there (Keras's own, in the weight's dtype, is
-below half a bfloat16 ulp and skipped for it), and the new value written
-back with dithered rounding too (its numbers half a period on from the second
-moment's). An embedding's sparse gradient (``tf.IndexedSlices``) is made
-dense as Keras's Adam makes it, the second moment from the sum of each
-lookup's square (Keras squares the slices before it adds them up). Inside a
-graph the updates run one variable after another: each makes its new values
-before it assigns them, and run together (a graph runs independent ops
-together) every variable's new values were alive at once (the 100M-parameter
-Llama of ``benchmarks/llm_memory.py`` peaked above 3.7 GiB instead of
-2.9-3.1).
+below half a bfloat16 ulp; of a float32 weight it is a temporary of the
+weight's size: Keras's is left out for every variable this update takes), and
+the new value written back with dithered rounding too (its numbers half a
+period on from the second moment's). An embedding's sparse gradient
+(``tf.IndexedSlices``) takes the update of the dense gradient Keras's Adam
+makes of it, the second moment from the sum of each lookup's square (Keras
+squares the slices before it adds them up), without making it dense
+(:func:`_sparse`). Inside a graph the updates run one variable after
+another: each makes its new values before it assigns them, and run together
+(a graph runs independent ops together) every variable's new values were
+alive at once (the 100M-parameter Llama of ``benchmarks/llm_memory.py``
+peaked above 3.7 GiB instead of 2.9-3.1).
+
+With all three (the update compiled in a short fit, the sparse gradient
+kept sparse, AdamW's decay inside), that Llama's full fine-tune with compact
+weights and moments peaked at 2576 MiB instead of 2970-3028, 0.74x Keras
+float32's, and its step took 0.62 s instead of 1.49 (Keras
+``mixed_bfloat16``: 0.68 s; docs/benchmarks.md).
 
 Measured (100M parameters in 4 variables, median of 5 updates, process CPU
 time, 2-core AMD EPYC with AVX512-BF16 under load, TF 2.21): ``ResourceApplyAdam``
@@ -74,8 +83,8 @@ from keras_mp import _checks as checks
 from keras_mp import _installed
 from keras_mp.device import xla
 
-__all__ = ["MOMENT_DTYPE", "WEIGHTS", "WEIGHT_SALT", "adam", "applies", "compact_weight", "dither",
-           "dithered"]
+__all__ = ["MOMENT_DTYPE", "WEIGHTS", "WEIGHT_SALT", "adam", "applies", "compact_weight",
+           "compiled", "dither", "dithered"]
 
 #: The dtype compact moments are stored in.
 MOMENT_DTYPE = tf.bfloat16
@@ -85,6 +94,7 @@ WEIGHTS = "compact_weights"
 #: Where a weight's rounding numbers start in the sequence (the second
 #: moment's start at 0): half a period on.
 WEIGHT_SALT = 0x8000
+_DECAY = "_use_weight_decay"
 _LAST = "compact_update_last"   # (graph, the last update's op) in the optimizer's holder
 _LOW = 0xFFFF
 # Odd multipliers: each term runs through all 2**16 values (the step's at
@@ -109,11 +119,29 @@ def dither(shape, step, variable: int, salt: int, *, compiled: bool = False) -> 
     count = tf.cast(tf.reduce_prod(shape), tf.int32)
     if not compiled:
         count = count + tf.minimum(step, 0)   # step >= 0: the same count, known only at run time
-    index = tf.reshape(tf.range(count, dtype=tf.int32), shape)
+    return _numbers(tf.reshape(tf.range(count, dtype=tf.int32), shape), step, variable, salt)
+
+
+def _numbers(index: tf.Tensor, step: tf.Tensor, variable: int, salt: int) -> tf.Tensor:
+    """:func:`dither`'s numbers of the elements at ``index`` (int32, their
+    flat positions in the variable; only the low 16 bits count), ``step``
+    already masked to 16 bits."""
     offset = tf.bitwise.bitwise_and(step * _STEP, _LOW) + (variable % 256) * _VARIABLE + salt
     return tf.bitwise.bitwise_and(
         tf.bitwise.bitwise_and(tf.bitwise.bitwise_and(index, _LOW) * _ELEMENT, _LOW) + offset,
         _LOW)
+
+
+def _row_numbers(rows: tf.Tensor, shape, step, variable: int, salt: int) -> tf.Tensor:
+    """:func:`dither`'s numbers of the rows ``rows`` of a variable of
+    ``shape``: the same numbers :func:`dither` gives those elements."""
+    width = tf.cast(tf.reduce_prod(shape[1:]), tf.int64)
+    index = (tf.cast(rows, tf.int64)[:, None] * width
+             + tf.range(width, dtype=tf.int64)[None, :])
+    index = tf.cast(tf.bitwise.bitwise_and(index, _LOW), tf.int32)
+    step = tf.bitwise.bitwise_and(tf.cast(step, tf.int32), _LOW)
+    return _numbers(tf.reshape(index, tf.concat([tf.shape(rows), shape[1:]], 0)), step,
+                    variable, salt)
 
 
 def dithered(value: tf.Tensor, noise: tf.Tensor) -> tf.Tensor:
@@ -126,26 +154,64 @@ def dithered(value: tf.Tensor, noise: tf.Tensor) -> tf.Tensor:
                               tf.float32), MOMENT_DTYPE)
 
 
-@xla.jit("elementwise")
-def _adam(gradient, squared, variable, m, v, alpha, beta_1, beta_2, epsilon, decay, step, index,
-          compiled):
+def _math(g, squared, w, m, v, alpha, beta_1, beta_2, epsilon, decay, numbers):
+    """The update of the module's docstring; ``g`` and ``squared`` None: a
+    zero gradient (the rows a sparse gradient does not reach);
+    ``numbers(salt)``: the rounding's numbers of these elements."""
     f32 = tf.float32
-    g = tf.cast(gradient, f32)
-    squared = tf.square(g) if squared is None else squared
-    w = tf.cast(variable, f32)
-    if variable.dtype != f32:
-        w = w - w * decay    # AdamW's decoupled decay, in float32 (Keras's skipped it)
+    compact = w.dtype != f32
+    w = tf.cast(w, f32)
+    w = w - w * decay    # AdamW's decoupled decay, in float32 (Keras's skipped it)
     m32 = tf.cast(m, f32)
     v32 = tf.cast(v, f32)
-    m32 = m32 + (g - m32) * (1.0 - beta_1)
-    v32 = v32 + (squared - v32) * (1.0 - beta_2)
+    if g is None:
+        m32 = m32 - m32 * (1.0 - beta_1)
+        v32 = v32 - v32 * (1.0 - beta_2)
+    else:
+        g = tf.cast(g, f32)
+        squared = tf.square(g) if squared is None else squared
+        m32 = m32 + (g - m32) * (1.0 - beta_1)
+        v32 = v32 + (squared - v32) * (1.0 - beta_2)
     new = w - alpha * m32 / (tf.sqrt(v32) + epsilon)
-    shape = tf.shape(w)
-    if variable.dtype != f32:
-        new = dithered(new, dither(shape, step, index, WEIGHT_SALT, compiled=compiled))
+    if compact:
+        new = dithered(new, numbers(WEIGHT_SALT))
     if v.dtype != f32:
-        v32 = dithered(v32, dither(shape, step, index, 0, compiled=compiled))
+        v32 = dithered(v32, numbers(0))
     return new, tf.cast(m32, m.dtype), v32
+
+
+def _adam_ops(gradient, squared, variable, m, v, alpha, beta_1, beta_2, epsilon, decay, step,
+              index, compiled):
+    def numbers(salt):
+        return dither(tf.shape(variable), step, index, salt, compiled=compiled)
+    return _math(gradient, squared, variable, m, v, alpha, beta_1, beta_2, epsilon, decay,
+                 numbers)
+
+
+_adam_xla = tf.function(_adam_ops, jit_compile=True, autograph=False)
+_adam_graph = tf.function(_adam_ops, autograph=False)
+
+
+def compiled() -> bool:
+    """Whether the update is XLA-compiled: wherever XLA runs on this device,
+    unless ``keras_mp.config.set_xla("elementwise", False)`` forbids it.
+
+    Not a decision from timings (:func:`keras_mp.device.xla.uses_xla`, which
+    a short fit turns off): a memory need. As TensorFlow ops, each of the
+    update's steps makes a new tensor of the variable's size (the element
+    index, the float32 casts, the products): on the 24.6M-parameter token
+    table of ``benchmarks/llm_memory.py``'s Llama six of them, 563 MiB, were
+    alive at the step's peak; compiled, the update makes only its results.
+    """
+    return xla.forced("elementwise") is not False and xla.xla_available()
+
+
+def _adam(*args):
+    if compiled():
+        return _adam_xla(*args, True)
+    if tf.inside_function():
+        return _adam_ops(*args, False)
+    return _adam_graph(*args, False)
 
 
 def _holds(optimizer: Any, variable: Any) -> tuple[int, Any] | None:
@@ -194,21 +260,14 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
     """Applies ``optimizer``'s Adam update of ``variable`` in float32 over its
     bfloat16 moments or to its bfloat16 weight (see the module's docstring);
     returns False, doing nothing, where :func:`applies` does not hold or the
-    gradient is neither a tensor nor ``tf.IndexedSlices`` (made dense) of the
-    variable's dtype or float32."""
+    gradient is neither a tensor nor ``tf.IndexedSlices`` of the variable's
+    dtype or float32."""
     if not applies(optimizer, variable):
         return False
-    squared = None
-    if isinstance(gradient, tf.IndexedSlices):
-        # An embedding's gradient, as Keras's Adam reads it: dense (every row
-        # moves, its moments decay), the second moment from the sum of each
-        # lookup's squared gradient, not the square of their sum.
-        squared = tf.convert_to_tensor(tf.IndexedSlices(
-            tf.square(tf.cast(gradient.values, tf.float32)), gradient.indices,
-            gradient.dense_shape))
-        gradient = tf.convert_to_tensor(gradient)
-    if not (isinstance(gradient, tf.Tensor)
-            and gradient.dtype in (tf.float32, tf.as_dtype(variable.dtype))):
+    sparse = isinstance(gradient, tf.IndexedSlices)
+    values = gradient.values if sparse else gradient
+    if not (isinstance(values, tf.Tensor)
+            and values.dtype in (tf.float32, tf.as_dtype(variable.dtype))):
         return False
     i = optimizer._get_variable_index(variable)
     f32 = tf.float32
@@ -218,8 +277,12 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
     lr = tf.cast(learning_rate, f32)
     alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
     wd = getattr(optimizer, "weight_decay", None)
-    decay = lr * tf.cast(wd, f32) if wd and compact_weight(optimizer, variable) and \
-        _installed.original(optimizer, "_use_weight_decay")(variable) else tf.zeros([], f32)
+    # AdamW's decay here where Keras's own is left out (for a bfloat16 weight
+    # always: keras_mp.adaptive.storage.trained.exclude_decay).
+    ours = compact_weight(optimizer, variable) or _installed.is_wrapped(optimizer, _DECAY)
+    decay = lr * tf.cast(wd, f32) if wd and ours and \
+        _installed.original(optimizer, _DECAY)(variable) else tf.zeros([], f32)
+    hyper = (alpha, beta_1, beta_2, tf.constant(optimizer.epsilon, f32), decay)
     m, v = optimizer._momentums[i], optimizer._velocities[i]
     # One variable at a time: the update makes new values before it assigns
     # them (TensorFlow's fused kernel writes in place), and a graph runs
@@ -229,16 +292,49 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
     graph = tf.compat.v1.get_default_graph() if tf.inside_function() else None
     last = getattr(held, _LAST, None)
     with tf.control_dependencies([last[1]] if last is not None and last[0] is graph else []):
-        new, m_new, v_new = _adam(gradient, squared, tf.convert_to_tensor(variable),
-                                  tf.convert_to_tensor(m), tf.convert_to_tensor(v), alpha, beta_1,
-                                  beta_2, tf.constant(optimizer.epsilon, f32), decay,
-                                  tf.convert_to_tensor(optimizer.iterations),
-                                  tf.constant(i, tf.int32), xla.uses_xla("elementwise"))
-        done = [_tf_variable(x).assign(value, read_value=False)
-                for x, value in ((variable, new), (m, m_new), (v, v_new))]
+        if sparse:
+            done = _sparse(gradient, variable, m, v, hyper, optimizer.iterations, i)
+        else:
+            new, m_new, v_new = _adam(gradient, None, tf.convert_to_tensor(variable),
+                                      tf.convert_to_tensor(m), tf.convert_to_tensor(v), *hyper,
+                                      tf.convert_to_tensor(optimizer.iterations),
+                                      tf.constant(i, tf.int32))
+            done = _assign((variable, m, v), (new, m_new, v_new))
     if graph is not None:
         setattr(held, _LAST, (graph, tf.group(done)))
     return True
+
+
+def _sparse(gradient: tf.IndexedSlices, variable, m, v, hyper, iterations, i: int) -> list:
+    """An embedding's update from its sparse gradient, as Keras's Adam
+    computes it made dense (every row's moments decay and its weight moves;
+    the second moment from the sum of each lookup's squared gradient, not the
+    square of their sum), without making it dense: every row is updated with
+    a zero gradient, the rows the batch reached are computed again from their
+    old values and their gradients summed per row, and written over those.
+    A dense float32 gradient and its square were two copies of the table
+    (188 MiB for the 32000 x 768 token table of ``benchmarks/llm_memory.py``'s
+    Llama). No sparse op touches the variables: after one, TensorFlow copies
+    a variable on every read (three more copies of the table)."""
+    rows, position = tf.unique(gradient.indices)
+    count = tf.size(rows)
+    values = tf.cast(gradient.values, tf.float32)
+    g = tf.math.unsorted_segment_sum(values, position, count)
+    squared = tf.math.unsorted_segment_sum(tf.square(values), position, count)
+    state = [tf.convert_to_tensor(x) for x in (variable, m, v)]
+    decayed = _adam(None, None, *state, *hyper, tf.convert_to_tensor(iterations),
+                    tf.constant(i, tf.int32))
+    shape = tf.shape(state[0])
+
+    def numbers(salt):
+        return _row_numbers(rows, shape, iterations, i, salt)
+    reached = _math(g, squared, *(tf.gather(x, rows) for x in state), *hyper, numbers)
+    return _assign((variable, m, v), [tf.tensor_scatter_nd_update(x, rows[:, None], y)
+                                       for x, y in zip(decayed, reached)])
+
+
+def _assign(variables, values) -> list:
+    return [_tf_variable(x).assign(value, read_value=False) for x, value in zip(variables, values)]
 
 
 def _tf_variable(variable: Any) -> tf.Variable:

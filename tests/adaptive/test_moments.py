@@ -123,6 +123,26 @@ def test_fit_stores_adams_moments_in_bfloat16(policy, compact):
     assert _storage(model, "out/kernel")["moments"] == "float32"
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_adamw_decays_a_float32_weight_once_inside_the_update(policy, compact):
+    # Keras decays each weight before its update (a temporary of the
+    # weight's size); with compact moments the update does it in float32,
+    # and Keras's is left out: the same fit as Keras's AdamW within rounding.
+    models = []
+    for compact_moments in (True, False):
+        keras_mp.config.set_compact_moments(compact_moments)
+        model = _model(policy, keras.optimizers.AdamW(1e-2, weight_decay=0.5))
+        _fit(model, epochs=3)
+        models.append(model)
+    opt = models[0].optimizer.inner_optimizer
+    kernel = models[0].get_layer("hidden").kernel
+    assert variables.stored_dtype(kernel) == "float32" and not opt._use_weight_decay(kernel)
+    assert variables.stored_dtype(opt._momentums[0]) == "bfloat16"
+    for compact_weight, keras_weight in zip(models[0].weights, models[1].weights):
+        np.testing.assert_allclose(compact_weight.numpy(), keras_weight.numpy(), atol=2e-3)
+    assert np.abs(models[0].get_layer("out").kernel.numpy()).max() > 0.01
+
+
 def test_other_optimizers_keep_their_moments():
     assert "AMSGrad" in moments.unsupported_reason(keras.optimizers.Adam(amsgrad=True))
     assert "RMSprop" in moments.unsupported_reason(keras.optimizers.RMSprop())

@@ -193,6 +193,7 @@ def apply(model: Any) -> bool:
         # The update over compact moments; the slots of a bfloat16 weight
         # are float32 unless compact moments are on (Keras copies its dtype).
         native_update.install(opt)
+        trained.exclude_decay(opt)
         _installed.install_method(opt, "add_variable_from_reference",
                                   functools.partial(_from_reference, opt))
     return _store(opt, owners) if opt.built else False

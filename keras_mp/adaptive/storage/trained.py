@@ -57,8 +57,8 @@ from keras_mp import _installed
 from keras_mp.adaptive.storage import variables as storage_vars
 from keras_mp.execution import compact_update, native_update, optimizer_state
 
-__all__ = ["OPTIMIZERS", "adam_reason", "allowed", "enabled", "mark", "set_enabled",
-           "unsupported_reason"]
+__all__ = ["OPTIMIZERS", "adam_reason", "allowed", "enabled", "exclude_decay", "mark",
+           "set_enabled", "unsupported_reason"]
 
 #: The optimizer classes whose update runs over bfloat16 weights.
 OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Adam, keras.optimizers.AdamW)
@@ -146,11 +146,28 @@ def allowed(model: Any) -> bool:
 
 
 def _without_compact(opt, original):
-    # Keras's decay (variable * wd * lr in the variable's dtype) is below
-    # half a bfloat16 ulp: compact_update applies it in float32 instead.
     def _use_weight_decay(variable):
-        return False if compact_update.compact_weight(opt, variable) else original(variable)
+        return False if compact_update.applies(opt, variable) else original(variable)
     return _use_weight_decay
+
+
+def exclude_decay(optimizer: Any) -> None:
+    """Leaves AdamW's weight decay of every variable whose update is
+    :func:`keras_mp.execution.compact_update.adam`'s to that update, which
+    applies it in float32 within its one pass: Keras's own (``variable *
+    wd * lr`` in the variable's dtype, before the update) is below half a
+    bfloat16 ulp of a bfloat16 weight, and of a float32 one it makes a
+    temporary of the variable's size (94 MiB for the logits kernel of
+    ``benchmarks/llm_memory.py``'s Llama, alive at its step's peak).
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras optimizer.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"`optimizer` must be a Keras optimizer, got {optimizer!r}.")
+    if not _installed.is_wrapped(optimizer, _DECAY):
+        _installed.install_method(optimizer, _DECAY,
+                                  lambda original: _without_compact(optimizer, original))
 
 
 def _rekey(opt) -> None:
@@ -183,9 +200,7 @@ def mark(optimizer: Any, compact: list | None, restored: bool) -> None:
         setattr(_installed.installed(opt), compact_update.WEIGHTS, ids)
     if ids:
         native_update.install(opt)
-        if not _installed.is_wrapped(opt, _DECAY):
-            _installed.install_method(opt, _DECAY,
-                                      lambda original: _without_compact(opt, original))
+        exclude_decay(opt)
     if restored:
         for o in {id(optimizer): optimizer, id(opt): opt}.values():
             _rekey(o)
