@@ -9,8 +9,8 @@
 | adaptive fits skip steps whose gradients are not finite | :func:`set_skip_nonfinite` | on |
 | frozen weights stored in their layer's compute dtype | :func:`set_compact_storage` | on |
 | one variable kept in float32 whatever the rule | :func:`set_storage` | the rule |
-| Adam's moments in bfloat16, the update in float32 | :func:`set_compact_moments` | off |
-| trained weights (and their gradients) in bfloat16, updates rounded stochastically | :func:`set_compact_weights` | off |
+| Adam's moments in bfloat16, the update in float32 | :func:`set_compact_moments` | on in a model training 2**24 parameters or more |
+| trained weights (and their gradients) in bfloat16, updates rounded stochastically | :func:`set_compact_weights` | on in a model training 2**24 parameters or more |
 
 Environment variables, read when used: ``KERAS_MP_EXECUTION`` (the
 execution mode of every model: ``auto``, ``graph``, ``xla_update``, ``xla``,
@@ -134,51 +134,56 @@ def compact_storage() -> bool:
     return frozen.enabled()
 
 
-def set_compact_moments(enabled: bool) -> None:
+def set_compact_moments(enabled: bool | None) -> None:
     """Whether ``fit`` under an adaptive policy stores the two moments of a
     ``keras.optimizers.Adam`` or ``AdamW`` in bfloat16 and computes the
-    update in float32 from them (off by default:
-    :mod:`keras_mp.adaptive.storage.moments` says why and what it applies to).
+    update in float32 from them: True for every weight, False for none,
+    None (the default) for the weights of layers computing in 16 bits in a
+    model that trains at least 2**24 parameters
+    (:data:`keras_mp.adaptive.storage.trained.AUTO_PARAMETERS`);
+    :mod:`keras_mp.adaptive.storage.moments` says what it applies to.
 
     Args:
-        enabled: True or False.
+        enabled: True, False or None.
 
     Example:
         >>> import keras_mp
         >>> keras_mp.config.set_compact_moments(True); keras_mp.config.compact_moments()
         True
-        >>> keras_mp.config.set_compact_moments(False)
+        >>> keras_mp.config.set_compact_moments(None)     # the default
     """
     moments.set_enabled(enabled)
 
 
-def compact_moments() -> bool:
-    """Whether Adam's moments are stored in bfloat16 (:func:`set_compact_moments`)."""
+def compact_moments() -> bool | None:
+    """The setting of :func:`set_compact_moments` (None: the default)."""
     return moments.enabled()
 
 
-def set_compact_weights(enabled: bool) -> None:
+def set_compact_weights(enabled: bool | None) -> None:
     """Whether ``fit`` under an adaptive policy stores the weights that train
     in bfloat16 where their layer computes in bfloat16, their gradients
     bfloat16 with them, each update computed in float32 and rounded
-    stochastically (off by default: :mod:`keras_mp.adaptive.storage.trained`
-    says how, and for which optimizers). Off, the next ``fit`` stores them in
-    float32 again.
+    stochastically: True in every model, False in none, None (the default)
+    in a model that trains at least 2**24 parameters
+    (:data:`keras_mp.adaptive.storage.trained.AUTO_PARAMETERS`);
+    :mod:`keras_mp.adaptive.storage.trained` says how, and for which
+    optimizers. Where off, the next ``fit`` stores them in float32 again.
 
     Args:
-        enabled: True or False.
+        enabled: True, False or None.
 
     Example:
         >>> import keras_mp
         >>> keras_mp.config.set_compact_weights(True); keras_mp.config.compact_weights()
         True
-        >>> keras_mp.config.set_compact_weights(False)
+        >>> keras_mp.config.set_compact_weights(None)     # the default
     """
     trained.set_enabled(enabled)
 
 
-def compact_weights() -> bool:
-    """Whether trained weights are stored in bfloat16 (:func:`set_compact_weights`)."""
+def compact_weights() -> bool | None:
+    """The setting of :func:`set_compact_weights` (None: the default)."""
     return trained.enabled()
 
 

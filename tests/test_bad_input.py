@@ -87,6 +87,7 @@ NO_ARGUMENTS = {
     "config.compact_moments", "adaptive.storage.moments.enabled",
     "config.compact_weights", "adaptive.storage.trained.enabled",
     "execution.compact_update.compiled",
+    "adaptive.storage.trained.on",   # reads a setting already checked by set_enabled
     # what fit was given, read as Keras reads it: None where it says nothing
     "adaptive.decisions.gain.fit_steps",
     "adaptive.policy.saved_policy.install",  # its one argument is keras_mp's own AdaptivePolicy class
@@ -216,7 +217,7 @@ CASES = [
      TypeError, "`variable`"),
     ("adaptive.storage.variables.nbytes", lambda: storage_vars.nbytes("v"), TypeError,
      "`variable`"),
-    ("config.set_compact_moments", lambda: keras_mp.config.set_compact_moments(None),
+    ("config.set_compact_moments", lambda: keras_mp.config.set_compact_moments(0),
      TypeError, "`enabled`"),
     ("adaptive.storage.moments.set_enabled", lambda: moments.set_enabled("on"), TypeError,
      "`enabled`"),
@@ -233,6 +234,7 @@ CASES = [
     ("adaptive.storage.trained.unsupported_reason", lambda: trained.unsupported_reason(None),
      TypeError, "`optimizer`"),
     ("adaptive.storage.trained.allowed", lambda: trained.allowed("model"), TypeError, "`model`"),
+    ("adaptive.storage.trained.large", lambda: trained.large("model"), TypeError, "`model`"),
     ("adaptive.storage.trained.mark", lambda: trained.mark("adam", [], False), TypeError,
      "`optimizer`"),
     ("adaptive.storage.trained.exclude_decay", lambda: trained.exclude_decay("adamw"), TypeError,

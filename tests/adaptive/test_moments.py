@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("adapt_every_fit")
 def compact():
     keras_mp.config.set_compact_moments(True)
     yield
-    keras_mp.config.set_compact_moments(False)
+    keras_mp.config.set_compact_moments(None)
 
 
 def test_dithered_rounding_follows_what_nearest_rounding_freezes():
@@ -152,7 +152,7 @@ def test_other_optimizers_keep_their_moments():
         _fit(model)
         assert {str(v.dtype) for v in model.optimizer.inner_optimizer.momentums} == {"float32"}
     finally:
-        keras_mp.config.set_compact_moments(False)
+        keras_mp.config.set_compact_moments(None)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

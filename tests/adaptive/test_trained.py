@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("adapt_every_fit")
 def compact():
     keras_mp.config.set_compact_weights(True)
     yield
-    keras_mp.config.set_compact_weights(False)
+    keras_mp.config.set_compact_weights(None)
 
 
 def _model(policy="adaptive_bfloat16", optimizer=None, seed=0):
@@ -130,7 +130,7 @@ def test_with_compact_moments_the_state_is_eight_bytes_a_parameter(compact):
         model = _model()
         _fit(model, epochs=2)
     finally:
-        keras_mp.config.set_compact_moments(False)
+        keras_mp.config.set_compact_moments(None)
     opt = model.optimizer.inner_optimizer
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     state = sum(variables.nbytes(v) for v in [*model.trainable_variables, *opt._momentums,
@@ -184,7 +184,7 @@ def _fine_tune(policy, compact_weights: bool, steps_epochs=6):
         model.fit(x, y, epochs=steps_epochs, batch_size=64, verbose=0)
         return before, model.evaluate(x, y, verbose=0), _dtypes(model.trainable_variables)
     finally:
-        keras_mp.config.set_compact_weights(False)
+        keras_mp.config.set_compact_weights(None)
 
 
 def test_the_small_learning_rate_fine_tune_keras_bfloat16_stalls_on_trains():

@@ -44,7 +44,7 @@ Example:
     >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
     >>> sorted({str(v.dtype) for v in model.optimizer.inner_optimizer._momentums})
     ['bfloat16']
-    >>> keras_mp.config.set_compact_moments(False)
+    >>> keras_mp.config.set_compact_moments(None)
     >>> keras_mp.config.set_min_saving(0.5)
     >>> keras_mp.set_global_policy("float32")
 """
@@ -71,23 +71,26 @@ SLOTS: dict[type, tuple[str, ...]] = {keras.optimizers.Adam: ("_momentums", "_ve
 _RECORD, _OVERRIDE = "storage", "storage_override"
 _SLOT_NAMES = ("momentum", "velocity")
 _HELD = "moment_owners"  # in the optimizer's keras_mp._installed holder
-_state = {"enabled": False}
+_state: dict[str, bool | None] = {"enabled": None}
 
 
-def enabled() -> bool:
-    """Whether Adam's moments are stored in bfloat16 (off by default)."""
+def enabled() -> bool | None:
+    """The setting: True (always), False (never) or None (the default: in a
+    model :func:`keras_mp.adaptive.storage.trained.large` holds for, the
+    moments of weights whose layer computes in 16 bits)."""
     return _state["enabled"]
 
 
-def set_enabled(enabled: bool) -> None:
-    """Turns compact moments on or off (documented as
-    :func:`keras_mp.config.set_compact_moments`); applied at the next ``fit``.
+def set_enabled(enabled: bool | None) -> None:
+    """Turns compact moments on (True), off (False) or back to the default
+    (None); documented as :func:`keras_mp.config.set_compact_moments`;
+    applied at the next ``fit``.
 
     Args:
-        enabled: True or False.
+        enabled: True, False or None.
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"`enabled` must be True or False, got {enabled!r}.")
+    if not (enabled is None or isinstance(enabled, bool)):
+        raise TypeError(f"`enabled` must be True, False or None, got {enabled!r}.")
     _state["enabled"] = enabled
 
 
@@ -105,25 +108,31 @@ def unsupported_reason(optimizer: Any) -> str | None:
     return trained.adam_reason(optimizer)
 
 
-def _owners(model: keras.Model) -> dict[int, tuple[Any, str]]:
-    """id(variable) -> (record, variable name) for the controlled layers' weights."""
+def _owners(model: keras.Model) -> dict[int, tuple[Any, str, bool]]:
+    """id(variable) -> (record, variable name, whether the moments are
+    compact) for the controlled layers' weights, as the setting decides for
+    ``model``: True, all of them; None, those of layers computing in 16 bits
+    where the model is large."""
     policy = policy_of(model)
-    return {id(v): (policy.record(layer.path), v.name)
+    setting = _state["enabled"]
+    on = trained.on(setting, model)
+    return {id(v): (policy.record(layer.path), v.name,
+                    on and (setting is True or layer.compute_dtype in ("bfloat16", "float16")))
             for layer in adaptive_layers(model, policy) for v in layer._trainable_variables}
 
 
-def _decide(variable: Any, owner: tuple[Any, str] | None) -> str:
+def _decide(variable: Any, owner: tuple[Any, str, bool] | None) -> str:
     """The dtype of ``variable``'s moments, recorded in its layer's record."""
-    record, name = owner or (None, None)
+    record, name, on = owner or (None, None, False)
     kept = record is not None and record.get(_OVERRIDE, {}).get(name) == "float32"
-    dtype = "bfloat16" if _state["enabled"] and not kept \
+    dtype = "bfloat16" if on and not kept \
         and storage_vars.stored_dtype(variable) in ("float32", "bfloat16") else "float32"
     if record is not None:
         record.setdefault(_RECORD, {}).setdefault(name, {})["moments"] = dtype
     return dtype
 
 
-def _store(opt, owners: dict[int, tuple[Any, str]]) -> bool:
+def _store(opt, owners: dict[int, tuple[Any, str, bool]]) -> bool:
     """Stores a built ``opt``'s slots as decided; returns whether a slot was
     stored anew."""
     changed = False
@@ -189,7 +198,7 @@ def apply(model: Any) -> bool:
     opt = optimizer_state.inner(optimizer)
     owners = _owners(model)
     setattr(_installed.installed(opt), _HELD, owners)   # read by the slots' maker
-    if _state["enabled"] or trained.enabled():
+    if any(on for _, _, on in owners.values()) or trained.allowed(model):
         # The update over compact moments; the slots of a bfloat16 weight
         # are float32 unless compact moments are on (Keras copies its dtype).
         native_update.install(opt)

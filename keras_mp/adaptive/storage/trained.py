@@ -40,8 +40,9 @@ strategy (:func:`unsupported_reason`); the moments stay float32 unless
 Example:
     >>> import keras
     >>> from keras_mp.adaptive.storage import trained
-    >>> trained.enabled()
-    False
+    >>> trained.enabled()       # None: the default, by the model's size
+    >>> trained.AUTO_PARAMETERS
+    16777216
     >>> trained.unsupported_reason(keras.optimizers.AdamW(use_ema=True))
     'an exponential moving average (use_ema) averages in the weight dtype'
 """
@@ -51,37 +52,69 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_mp import _installed
 from keras_mp.adaptive.storage import variables as storage_vars
 from keras_mp.execution import compact_update, native_update, optimizer_state
 
-__all__ = ["OPTIMIZERS", "adam_reason", "allowed", "enabled", "exclude_decay", "mark",
-           "set_enabled", "unsupported_reason"]
+__all__ = ["AUTO_PARAMETERS", "OPTIMIZERS", "adam_reason", "allowed", "enabled", "exclude_decay",
+           "large", "mark", "on", "set_enabled", "unsupported_reason"]
 
 #: The optimizer classes whose update runs over bfloat16 weights.
 OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Adam, keras.optimizers.AdamW)
+#: By default (the setting None) weights and moments are stored compactly in
+#: a model that trains at least this many parameters (2**24: 16.8 million,
+#: 128 MiB of training state saved at 8 bytes a parameter); below it the
+#: saving is small and each compiled update costs start-up.
+AUTO_PARAMETERS = 2 ** 24
 _DECAY = "_use_weight_decay"
-_state = {"enabled": False}
+_state: dict[str, bool | None] = {"enabled": None}
 
 
-def enabled() -> bool:
-    """Whether trained weights are stored in bfloat16 (off by default)."""
+def enabled() -> bool | None:
+    """The setting: True (always), False (never) or None (the default:
+    where :func:`large` holds)."""
     return _state["enabled"]
 
 
-def set_enabled(enabled: bool) -> None:
-    """Turns compact trained weights on or off (documented as
-    :func:`keras_mp.config.set_compact_weights`); applied at the next ``fit``,
-    which stores them in float32 again when off.
+def set_enabled(enabled: bool | None) -> None:
+    """Turns compact trained weights on (True), off (False) or back to the
+    default (None: in a model :func:`large` holds for); documented as
+    :func:`keras_mp.config.set_compact_weights`; applied at the next
+    ``fit``, which stores them in float32 again where off.
 
     Args:
-        enabled: True or False.
+        enabled: True, False or None.
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"`enabled` must be True or False, got {enabled!r}.")
+    if not (enabled is None or isinstance(enabled, bool)):
+        raise TypeError(f"`enabled` must be True, False or None, got {enabled!r}.")
     _state["enabled"] = enabled
+
+
+def large(model: Any) -> bool:
+    """Whether ``model`` trains at least :data:`AUTO_PARAMETERS` parameters
+    (its trainable variables now).
+
+    Raises:
+        TypeError: ``model`` is not a Keras model.
+
+    Example:
+        >>> import keras
+        >>> large(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+        False
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
+                        f"{type(model).__name__}.")
+    return sum(int(np.prod(v.shape)) for v in model.trainable_variables) >= AUTO_PARAMETERS
+
+
+def on(setting: bool | None, model: Any) -> bool:
+    """Whether a compact-storage ``setting`` (True, False, or None: by
+    size) stores ``model``'s state compactly."""
+    return setting is True or (setting is None and large(model))
 
 
 def adam_reason(optimizer: Any) -> str | None:
@@ -132,7 +165,7 @@ def unsupported_reason(optimizer: Any) -> str | None:
 
 def allowed(model: Any) -> bool:
     """Whether ``model``'s trained weights may be stored in bfloat16 now: the
-    switch is on and its optimizer is supported.
+    setting says so for it (:func:`on`) and its optimizer is supported.
 
     Raises:
         TypeError: ``model`` is not a Keras model.
@@ -141,7 +174,7 @@ def allowed(model: Any) -> bool:
         raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
                         f"{type(model).__name__}.")
     optimizer = getattr(model, "optimizer", None)
-    return _state["enabled"] and optimizer is not None \
+    return optimizer is not None and on(_state["enabled"], model) \
         and unsupported_reason(optimizer) is None
 
 

@@ -1,0 +1,98 @@
+"""Compact storage by default (keras_mp.adaptive.storage.trained.AUTO_PARAMETERS).
+
+With the settings at their default (None), a model under an adaptive policy
+that trains at least 2**24 parameters has its weights (where their layer
+computes in bfloat16) and Adam's moments (where it computes in 16 bits)
+stored in bfloat16; a smaller one keeps them in float32. The big model here is
+one 65536 x 256 embedding table (2**24 parameters) and a Dense head, as a
+user fits it; its file loads into a plain Keras model and predicts the same.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp.adaptive.storage import trained, variables
+
+pytestmark = pytest.mark.usefixtures("adapt_every_fit")
+
+
+def _model(policy, rows):
+    with keras_mp.policy_scope(policy):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                                  keras.layers.Embedding(rows, 256, name="table"),
+                                  keras.layers.GlobalAveragePooling1D(),
+                                  keras.layers.Dense(1, name="head")], name="net")
+    model.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
+    return model
+
+
+def _fit(model, rows):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, rows, (64, 4)).astype("int32")
+    return model.fit(ids, rng.normal(size=(64, 1)), batch_size=16, epochs=2, verbose=0)
+
+
+def _moments(model, variable):
+    opt = model.optimizer.inner_optimizer if hasattr(model.optimizer, "inner_optimizer") \
+        else model.optimizer
+    i = opt._get_variable_index(variable)
+    return {variables.stored_dtype(s[i]) for s in (opt._momentums, opt._velocities)}
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "adaptive_bfloat16", "adaptive_float16"])
+def test_a_large_model_is_stored_compactly_by_default(policy, tmp_path):
+    assert keras_mp.config.compact_weights() is None is keras_mp.config.compact_moments()
+    rows = trained.AUTO_PARAMETERS // 256
+    model = _model(policy, rows)
+    assert trained.large(model)
+    history = _fit(model, rows)
+    assert np.isfinite(history.history["loss"]).all()
+    table = model.get_layer("table")
+    compute = table.compute_dtype
+    # Weights where the layer computes in bfloat16; moments where in 16 bits.
+    assert variables.stored_dtype(table.embeddings) == (
+        "bfloat16" if compute == "bfloat16" else "float32")
+    assert _moments(model, table.embeddings) == (
+        {"bfloat16"} if compute in ("bfloat16", "float16") else {"float32"})
+    storage = keras_mp.precision_report(model).storage()
+    entry = next(e for k, e in storage.items() if k.endswith("table/embeddings"))
+    assert entry["reason"] == ("trains_compact" if compute == "bfloat16" else "trains")
+    # The file loads into a plain Keras float32 model, which predicts the same.
+    path = str(tmp_path / "big.keras")
+    model.save(path)
+    ids = np.arange(8 * 4, dtype="int32").reshape(8, 4)
+    with keras_mp.policy_scope("float32"):
+        plain = _model("float32", rows)
+    plain.load_weights(path)
+    assert variables.stored_dtype(plain.get_layer("table").embeddings) == "float32"
+    np.testing.assert_allclose(plain.predict(ids, verbose=0), model.predict(ids, verbose=0),
+                               atol=2e-2)
+
+
+def test_a_small_model_keeps_float32_state_by_default():
+    model = _model("adaptive_bfloat16", 1000)
+    assert not trained.large(model)
+    _fit(model, 1000)
+    table = model.get_layer("table").embeddings
+    assert variables.stored_dtype(table) == "float32" and _moments(model, table) == {"float32"}
+
+
+def test_the_threshold_is_the_models_trained_parameters(monkeypatch):
+    model = _model("adaptive_bfloat16", 1000)
+    monkeypatch.setattr(trained, "AUTO_PARAMETERS", 1000 * 256)
+    assert trained.large(model)
+    _fit(model, 1000)
+    assert variables.stored_dtype(model.get_layer("table").embeddings) == "bfloat16"
+    model.get_layer("table").trainable = False      # only the head trains now
+    assert not trained.large(model)
+    keras_mp.config.set_compact_weights(False)
+    try:
+        _fit(model, 1000)
+        assert variables.stored_dtype(model.get_layer("head").kernel) == "float32"
+    finally:
+        keras_mp.config.set_compact_weights(None)
