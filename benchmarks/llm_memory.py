@@ -31,12 +31,16 @@ Variants: ``keras_float32``, ``keras_mixed_bfloat16`` (Keras alone,
 ``keras_mp`` not imported) and ``keras_mp`` (``keras_mp.set_global_policy(
 "adaptive")``, ``fit`` as a user calls it: on a CPU with bfloat16 units
 ``"adaptive"`` chooses among bfloat16 and float32, ``keras-mp info``).
-``keras_mp_float32_storage`` is ``keras_mp`` with compact storage off
-(``keras_mp.config.set_compact_storage(False)``): what storing frozen
-weights in bfloat16 saves; ``keras_mp_compact_moments`` is ``keras_mp`` with
-``keras_mp.config.set_compact_moments(True)`` (AdamW's moments in bfloat16);
-``keras_mp_compact`` adds ``keras_mp.config.set_compact_weights(True)`` to
-it (the trained weights and their gradients in bfloat16 too).
+``keras_mp`` keeps keras-mp's defaults: frozen weights in their compute
+dtype, and in a model that trains 2**24 parameters or more (the full
+fine-tune, not LoRA's) trained weights, their gradients and AdamW's moments
+in bfloat16. ``keras_mp_float32_storage`` is ``keras_mp`` with all compact
+storage off (``keras_mp.config.set_compact_storage(False)``,
+``set_compact_moments(False)``, ``set_compact_weights(False)``): Keras's
+float32 state; ``keras_mp_compact_moments`` stores only AdamW's moments in
+bfloat16 (``set_compact_moments(True)``, ``set_compact_weights(False)``);
+``keras_mp_compact`` turns both on whatever the model's size
+(``set_compact_moments(True)``, ``set_compact_weights(True)``).
 ``keras_mp_remat`` is ``keras_mp`` with the model built inside
 ``keras.RematScope("full")``: every layer's intermediate tensors recomputed
 on the backward pass (:mod:`keras_mp.execution.remat`; Keras's own TensorFlow
@@ -155,10 +159,16 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         import keras_mp
 
         keras_mp.set_global_policy("adaptive")
-        keras_mp.config.set_compact_storage(variant != "keras_mp_float32_storage")
-        keras_mp.config.set_compact_moments(variant in ("keras_mp_compact_moments",
-                                                        "keras_mp_compact"))
-        keras_mp.config.set_compact_weights(variant == "keras_mp_compact")
+        # The defaults (None: compact weights and moments in a model training
+        # 2**24 parameters or more) unless the variant says otherwise.
+        float32_state = variant == "keras_mp_float32_storage"
+        keras_mp.config.set_compact_storage(not float32_state)
+        keras_mp.config.set_compact_moments(
+            False if float32_state else True if variant in ("keras_mp_compact_moments",
+                                                            "keras_mp_compact") else None)
+        keras_mp.config.set_compact_weights(
+            False if variant in ("keras_mp_float32_storage", "keras_mp_compact_moments")
+            else True if variant == "keras_mp_compact" else None)
     else:
         keras.config.set_dtype_policy(variant.removeprefix("keras_"))
     rng = np.random.default_rng(0)

@@ -201,12 +201,14 @@ PER_INSTANCE: tuple[Change, ...] = (
            "3.15.1", "keras_mp.execution.native_update"),
     Change("compact_moments", "instance",
            ("keras:optimizers.Optimizer.add_variable_from_reference",),
-           "with keras_mp.config.set_compact_moments(True), the moments an Adam or AdamW "
+           "where compact moments apply (keras_mp.config.set_compact_moments: by default in a "
+           "model training 2**24 parameters or more), the moments an Adam or AdamW "
            "builds for a model under an adaptive policy are made in bfloat16",
            "3.15.1", "keras_mp.adaptive.storage.moments"),
     Change("compact_weights", "instance", ("keras:optimizers.Optimizer._use_weight_decay",),
-           "with keras_mp.config.set_compact_weights(True), an AdamW's decay skips the weights "
-           "stored in bfloat16 (applied in float32 by their update instead)",
+           "an AdamW's decay skips the variables whose update is keras-mp's compact update "
+           "(weights stored in bfloat16, weights with bfloat16 moments): that update applies "
+           "it in float32, in its one pass",
            "3.15.1", "keras_mp.adaptive.storage.trained"),
     Change("skip_guard", "instance", ("keras:Model.train_step",),
            "a step the optimizer skips for non-finite gradients puts back what it assigned "

@@ -78,6 +78,35 @@ def test_the_picture_carries_every_layer_dtype_and_switch(trained, tmp_path):
     assert f"skipped steps per interval ({skipped} in all)" in labels
 
 
+def test_the_picture_shows_the_training_state_as_stored(trained):
+    # The bottom panel: weights, gradients and moments stacked, from the
+    # sizes the timeline recorded at each decision, as stored.
+    model, _ = trained
+    fig = keras_mp.plot_precision(model)
+    state_ax = fig.axes[2]
+    entries = timeline.of(model).entries
+    assert all("state_mib" in e for e in entries)
+    last = entries[-1]["state_mib"]
+    assert last == timeline.state_mib(model, model.optimizer)
+    assert last["weights"] > 0 and last["gradients"] > 0 and last["moments"] > 0
+    legend = [t.get_text() for t in state_ax.get_legend().get_texts()]
+    assert legend == [f"{k} ({last[k]:.1f} MiB)" for k in ("weights", "gradients", "moments")]
+    assert state_ax.get_ylabel() == "training state MiB"
+    _check_layout(fig)
+
+
+def test_compact_storage_shows_in_the_state_it_records():
+    # A bfloat16 weight and its gradient count 2 bytes an element.
+    with keras_mp.policy_scope("adaptive_bfloat16"):
+        model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(512)])
+    from keras_mp.adaptive.storage import variables
+    full = timeline.state_mib(model, None)
+    variables.store_as(model.layers[0].kernel, "bfloat16")
+    half = timeline.state_mib(model, None)
+    assert half["weights"] == pytest.approx(full["weights"] - 1.0, abs=0.01)   # 2 MiB -> 1
+    assert half["gradients"] == half["weights"]
+
+
 def test_clear_errors(trained, monkeypatch):
     model, _ = trained
     with pytest.raises(ValueError, match="dpi"):
@@ -212,8 +241,8 @@ def test_labels_and_legends_of_two_layers_after_real_fits():
     labels, legends = _check_layout(fig)
     assert {t.get_gid(): t.get_text().split(", ") for t in labels} == {
         f"switches:{r['layer']}": [switch_text(h) for h in r["history"]] for r in (first, last)}
-    # The loss scale's legend (no title) below, beside the scale.
-    assert sorted(legends) == ["", "dtype", "switch reason (count)"]
+    # The loss scale's and the training state's legends (no title) below.
+    assert sorted(legends) == ["", "", "dtype", "switch reason (count)"]
     switches = len(first["history"]) + len(last["history"])
     assert fig.axes[0].get_title().endswith(f"2 layers, {switches} switches")
 

@@ -190,6 +190,28 @@ def _draw_scales(ax, timeline, end: int) -> None:
     ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.08, 1.0))
 
 
+_STATE = (("weights", "#4c72b0"), ("gradients", "#dd8452"), ("moments", "#55a868"))
+
+
+def _draw_state(ax, timeline, end: int) -> None:
+    """The training state's MiB over the steps, stacked: weights, gradients,
+    moments (each entry's, held until the next)."""
+    entries = [e for e in (timeline.entries if timeline else []) if e.get("state_mib")]
+    if not entries:
+        ax.text(0.5, 0.5, "training state not recorded in this run",
+                ha="center", va="center", transform=ax.transAxes, fontsize=9)
+        ax.set_yticks([])
+        return
+    steps = [e["step"] for e in entries] + [end]
+    values = [[e["state_mib"][k] for e in entries] for k, _ in _STATE]
+    values = [v + [v[-1]] for v in values]
+    ax.stackplot(steps, values, step="post", colors=[c for _, c in _STATE], alpha=0.8,
+                 labels=[f"{k} ({v[-1]:.1f} MiB)" for (k, _), v in zip(_STATE, values)])
+    ax.set_ylabel("training state MiB")
+    ax.set_ylim(0, max(sum(v[i] for v in values) for i in range(len(steps))) * 1.15 or 1)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.08, 1.0))
+
+
 def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
                    title: str | None = None, dpi: int = 100) -> Any:
     """Draws what adaptive precision did in ``model``'s training so far.
@@ -202,7 +224,8 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
     the right, the legends of the dtypes and the reasons, inside the image
     whatever the number of layers. Bottom: the global loss scale, the
     per-layer loss scales where the policy uses them, and the steps skipped
-    in each decision interval.
+    in each decision interval; last, the training state's MiB over the steps
+    (weights, gradients and moments, stacked, as stored).
 
     Args:
         model: a Keras model trained under an adaptive policy (with
@@ -259,8 +282,8 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
     n = len(rows)
     row = 0.24 if n <= 24 else 0.18  # inches per layer
     top = max(1.6, row * n + 0.8)
-    fig = Figure(figsize=(11, top + 2.6), layout="constrained")
-    ax, scale_ax = fig.subplots(2, 1, sharex=True, height_ratios=[top, 2.0])
+    fig = Figure(figsize=(11, top + 4.4), layout="constrained")
+    ax, scale_ax, state_ax = fig.subplots(3, 1, sharex=True, height_ratios=[top, 2.0, 1.6])
     ax.pcolormesh(edges, np.arange(n + 1), codes, cmap=ListedColormap(list(DTYPE_COLORS.values())),
                   vmin=-0.5, vmax=len(dtypes) - 0.5, edgecolors="white", linewidth=0.3)
     ax.set_ylim(n, 0)
@@ -271,14 +294,15 @@ def plot_precision(model: keras.Model, path: str | os.PathLike | None = None, *,
                            [d for d in dtypes if any(d in line for line in grid)])
     if column + 0.5 > top:  # the legend column stays beside the layer rows
         top = column + 0.5
-        fig.set_size_inches(11, top + 2.6)
-        ax.get_subplotspec().get_gridspec().set_height_ratios([top, 2.0])
+        fig.set_size_inches(11, top + 4.4)
+        ax.get_subplotspec().get_gridspec().set_height_ratios([top, 2.0, 1.6])
     ax.set_title(title if title is not None else
                  f"{model.name}: {report.policy} ({', '.join(report.candidates)}), "
                  f"{n} layers, {count} switch{'es' if count != 1 else ''}",
                  fontsize=10)
     _draw_scales(scale_ax, timeline, end)
-    scale_ax.set_xlabel("step (train-function call)")
+    _draw_state(state_ax, timeline, end)
+    state_ax.set_xlabel("step (train-function call)")
     scale_ax.set_xlim(0, end)
     # The layout once, then fixed: the labels are placed in what it gave.
     fig.draw_without_rendering()

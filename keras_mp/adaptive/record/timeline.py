@@ -1,7 +1,9 @@
 """What :class:`keras_mp.callbacks.AdaptivePrecision` records over a run, for
 :func:`keras_mp.plot_precision`: at the start and at every decision, the
 step (train-function call), the global loss scale, the per-layer loss scales
-(where used) and the skipped-step count; and the last step trained.
+(where used), the skipped-step count and the training state's size (weights,
+gradients and moments, as stored: :mod:`keras_mp.adaptive.storage` changes it
+at the start of a fit); and the last step trained.
 
 The dtypes over the steps need no record of their own: every layer's switch
 history (step, old, new, reason) is kept in the policy
@@ -34,10 +36,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 from keras_mp import _installed
 
-__all__ = ["Timeline", "finish", "of", "record", "restore"]
+__all__ = ["Timeline", "finish", "of", "record", "restore", "state_mib"]
 
 _ATTR = "precision_timeline"
 
@@ -50,7 +54,9 @@ class Timeline:
         entries: dicts with ``step``, ``loss_scale`` (the global scale, or
             None without loss scaling), ``layer_scales`` (path -> the scale
             its gradients carry, with per-layer loss scales; else None) and
-            ``skipped_steps`` (skipped so far, or None), in step order.
+            ``skipped_steps`` (skipped so far, or None) and ``state_mib``
+            (:func:`state_mib`: MiB of weights, gradients and moments; absent
+            from timelines saved before it), in step order.
         last_step: the last train-function call counted.
     """
 
@@ -98,12 +104,46 @@ def record(model: keras.Model, step: int, optimizer, paths: Sequence[str],
              "loss_scale": None if scale is None else _scalar(scale),
              "layer_scales": None if layer_scales is None
              else dict(zip(paths, map(float, layer_scales))),
-             "skipped_steps": None if skipped is None else int(_scalar(skipped))}
+             "skipped_steps": None if skipped is None else int(_scalar(skipped)),
+             "state_mib": state_mib(model, optimizer)}
     if timeline.entries and timeline.entries[-1]["step"] == entry["step"]:
         timeline.entries[-1] = entry
     else:
         timeline.entries.append(entry)
     timeline.last_step = max(timeline.last_step, int(step))
+
+
+def _mib(variables) -> float:
+    seen: dict[int, Any] = {}
+    for v in variables:
+        seen.setdefault(id(v), v)
+    return sum(int(np.prod(v.shape)) * tf.as_dtype(_stored(v)).size
+               for v in seen.values()) / 2 ** 20
+
+
+def _stored(variable) -> str:
+    """The dtype ``variable`` holds its values in, not the autocast dtype a
+    read inside a layer's call sees (as ``storage.variables.stored_dtype``)."""
+    return keras.backend.standardize_dtype(getattr(variable, "_dtype", None) or variable.dtype)
+
+
+def state_mib(model: keras.Model, optimizer) -> dict[str, float]:
+    """MiB of ``model``'s training state now, by what holds it: ``weights``
+    (every variable of the model), ``gradients`` (one per trainable variable,
+    in its stored dtype, as the tape makes them) and ``moments`` (the
+    optimizer's per-variable slots; its scalars left out).
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(256)])
+        >>> {k: round(v, 2) for k, v in state_mib(model, None).items()}
+        {'weights': 1.0, 'gradients': 1.0, 'moments': 0.0}
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a Keras model, got {model!r}.")
+    slots = [v for v in (getattr(optimizer, "variables", None) or []) if len(v.shape)]
+    return {"weights": _mib(model.weights), "gradients": _mib(model.trainable_variables),
+            "moments": _mib(slots)}
 
 
 def finish(model: keras.Model, step: int) -> None:

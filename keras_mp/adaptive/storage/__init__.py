@@ -9,11 +9,12 @@
   :func:`keras_mp.config.set_compact_storage`), decided at the start of each
   ``fit``;
 * :mod:`~keras_mp.adaptive.storage.moments`: Adam's and AdamW's moments in
-  bfloat16, the update in float32 (off by default,
-  :func:`keras_mp.config.set_compact_moments`);
+  bfloat16, the update in float32 (by default in a model that trains at
+  least 2**24 parameters, :func:`keras_mp.config.set_compact_moments`);
 * :mod:`~keras_mp.adaptive.storage.trained`: weights that train, in
   bfloat16 with their gradients, each update in float32 rounded
-  stochastically (off by default, :func:`keras_mp.config.set_compact_weights`).
+  stochastically (by default in such a model,
+  :func:`keras_mp.config.set_compact_weights`).
 
 Not stored compactly (yet): other optimizers' state; the gradients of float32
 weights.

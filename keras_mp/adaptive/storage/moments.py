@@ -1,9 +1,12 @@
 """Adam's and AdamW's moments stored in bfloat16, the update in float32.
 
 Keras's optimizers make each slot in its variable's dtype, so under mixed
-precision Adam holds 8 bytes of moments per float32 weight. With
-:func:`set_enabled` (documented as :func:`keras_mp.config.set_compact_moments`;
-**off by default**), ``fit`` of a model under an adaptive policy stores the
+precision Adam holds 8 bytes of moments per float32 weight. Where
+:func:`set_enabled` says so (documented as
+:func:`keras_mp.config.set_compact_moments`; by default, for the weights of
+layers computing in 16 bits in a model that trains at least 2**24
+parameters, :data:`keras_mp.adaptive.storage.trained.AUTO_PARAMETERS`),
+``fit`` of a model under an adaptive policy stores the
 first and second moments of its ``keras.optimizers.Adam`` or ``AdamW`` (the
 exact classes, without AMSGrad, hyperparameters other than the learning rate
 numbers, no distribution strategy) in bfloat16: 4 bytes per weight, and the
@@ -28,10 +31,15 @@ float32 (then its moments stay float32 too) or the variable is not float32.
 Each decision is in the layer's record (``"storage"``, the variable's
 ``moments``).
 
-Why off by default: the issue asks for a per-variable statistic (the probe
-comparing the update from compact moments with the float32 one) before
-compact moments are the default; it is not built. The evidence measured
-instead is in docs/benchmarks.md ("LLM memory").
+Why by default there and only there: in a large model the moments are most
+of the training state (8 of 16 bytes a parameter), and the 1000-step
+quality runs of docs/benchmarks.md ("Does compact storage train as well?")
+ended within 1 % of float32's loss; in a small one they save little, and
+each compiled update costs start-up. A layer computing in float32 (a
+float32-only CPU, a promoted layer) keeps float32 moments by default: its
+update stays TensorFlow's fused kernel. The per-variable statistic the issue
+asks for (the probe comparing the update from compact moments with the
+float32 one) is not built; the rule is the model's size.
 
 Example:
     >>> import keras, numpy as np, keras_mp
