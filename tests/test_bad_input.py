@@ -590,6 +590,8 @@ CASES = [
     ("adaptive.outputs.plot.plot_precision", lambda: keras_mp.plot_precision(_model(), dpi=5),
      ValueError, "`dpi`"),
     ("adaptive.record.timeline.of", lambda: timeline.of("model"), TypeError, "`model`"),
+    ("adaptive.record.timeline.state_mib", lambda: timeline.state_mib("model", None), TypeError,
+     "`model`"),
     ("adaptive.record.timeline.record", lambda: timeline.record(_model(), -1, None, (), None),
      ValueError, "`step`"),
     ("adaptive.record.timeline.finish", lambda: timeline.finish(_model(), 1.5), ValueError, "`step`"),

@@ -197,21 +197,30 @@ def compiled() -> bool:
     unless ``keras_mp.config.set_xla("elementwise", False)`` forbids it.
 
     Not a decision from timings (:func:`keras_mp.device.xla.uses_xla`, which
-    a short fit turns off): a memory need. As TensorFlow ops, each of the
-    update's steps makes a new tensor of the variable's size (the element
-    index, the float32 casts, the products): on the 24.6M-parameter token
-    table of ``benchmarks/llm_memory.py``'s Llama six of them, 563 MiB, were
-    alive at the step's peak; compiled, the update makes only its results.
+    a short fit turns off), so that a seeded run computes the same whatever
+    was measured: a memory need. As TensorFlow ops, each of the update's
+    steps makes a new tensor of the variable's size (the element index, the
+    float32 casts, the products): on the 24.6M-parameter token table of
+    ``benchmarks/llm_memory.py``'s Llama six of them, 563 MiB, were alive at
+    the step's peak; compiled, the update makes only its results. The
+    variable is flattened first, so that variables of one size share a
+    compilation (keras.applications' ResNet50V2: 22 sizes among 28 shapes).
+    Small variables are compiled too: their updates as TensorFlow ops made
+    ResNet50V2's first step take 12-14 s more CPU time than with float32
+    state, compiled 4-7 s (2-core AMD EPYC; the train step's graph grows by
+    some 40 ops a variable).
     """
     return xla.forced("elementwise") is not False and xla.xla_available()
 
 
-def _adam(*args):
-    if compiled():
-        return _adam_xla(*args, True)
-    if tf.inside_function():
-        return _adam_ops(*args, False)
-    return _adam_graph(*args, False)
+def _adam(gradient, squared, variable, m, v, *rest):
+    if not compiled():
+        run = _adam_ops if tf.inside_function() else _adam_graph
+        return run(gradient, squared, variable, m, v, *rest, False)
+    shape = tf.shape(variable)
+    flat = [None if t is None else tf.reshape(t, [-1])
+            for t in (gradient, squared, variable, m, v)]
+    return [tf.reshape(t, shape) for t in _adam_xla(*flat, *rest, True)]
 
 
 def _holds(optimizer: Any, variable: Any) -> tuple[int, Any] | None:
