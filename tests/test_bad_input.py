@@ -87,6 +87,7 @@ NO_ARGUMENTS = {
     "config.compact_moments", "adaptive.storage.moments.enabled",
     "config.compact_weights", "adaptive.storage.trained.enabled",
     "execution.compact_update.compiled",
+    "execution.compact_update.below_half_ulp",   # two tensors, TensorFlow's own checks
     "adaptive.storage.trained.on",   # reads a setting already checked by set_enabled
     # what fit was given, read as Keras reads it: None where it says nothing
     "adaptive.decisions.gain.fit_steps",
@@ -243,6 +244,10 @@ CASES = [
      lambda: compact_update.compact_weight("adam", None), TypeError, "`optimizer`"),
     ("execution.compact_update.applies", lambda: compact_update.applies("adam", None), TypeError,
      "`optimizer`"),
+    ("execution.compact_update.keep_statistics",
+     lambda: compact_update.keep_statistics("adam", []), TypeError, "`optimizer`"),
+    ("execution.compact_update.statistic", lambda: compact_update.statistic("adam", None),
+     TypeError, "`optimizer`"),
     ("execution.compact_update.adam", lambda: compact_update.adam(None, None, None, 1e-3),
      TypeError, "`optimizer`"),
     ("execution.compact_update.dither", lambda: compact_update.dither((2,), 0, 0, -1),

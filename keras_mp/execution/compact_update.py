@@ -83,8 +83,9 @@ from keras_mp import _checks as checks
 from keras_mp import _installed
 from keras_mp.device import xla
 
-__all__ = ["MOMENT_DTYPE", "WEIGHTS", "WEIGHT_SALT", "adam", "applies", "compact_weight",
-           "compiled", "dither", "dithered"]
+__all__ = ["MOMENT_DTYPE", "STATISTICS", "WEIGHTS", "WEIGHT_SALT", "adam", "applies",
+           "below_half_ulp", "compact_weight", "compiled", "dither", "dithered", "keep_statistics",
+           "statistic"]
 
 #: The dtype compact moments are stored in.
 MOMENT_DTYPE = tf.bfloat16
@@ -94,6 +95,9 @@ WEIGHTS = "compact_weights"
 #: Where a weight's rounding numbers start in the sequence (the second
 #: moment's start at 0): half a period on.
 WEIGHT_SALT = 0x8000
+#: The attribute of an optimizer's holder that keeps the compact weights'
+#: update-to-ulp statistics (:func:`keep_statistics`).
+STATISTICS = "update_statistics"
 _DECAY = "_use_weight_decay"
 _LAST = "compact_update_last"   # (graph, the last update's op) in the optimizer's holder
 _LOW = 0xFFFF
@@ -160,7 +164,7 @@ def _math(g, squared, w, m, v, alpha, beta_1, beta_2, epsilon, decay, numbers):
     ``numbers(salt)``: the rounding's numbers of these elements."""
     f32 = tf.float32
     compact = w.dtype != f32
-    w = tf.cast(w, f32)
+    w = old = tf.cast(w, f32)
     w = w - w * decay    # AdamW's decoupled decay, in float32 (Keras's skipped it)
     m32 = tf.cast(m, f32)
     v32 = tf.cast(v, f32)
@@ -173,11 +177,29 @@ def _math(g, squared, w, m, v, alpha, beta_1, beta_2, epsilon, decay, numbers):
         m32 = m32 + (g - m32) * (1.0 - beta_1)
         v32 = v32 + (squared - v32) * (1.0 - beta_2)
     new = w - alpha * m32 / (tf.sqrt(v32) + epsilon)
+    lost = below_half_ulp(old, new) if compact else tf.constant(float("nan"))
     if compact:
         new = dithered(new, numbers(WEIGHT_SALT))
     if v.dtype != f32:
         v32 = dithered(v32, numbers(0))
-    return new, tf.cast(m32, m.dtype), v32
+    return new, tf.cast(m32, m.dtype), v32, lost
+
+
+def below_half_ulp(old: tf.Tensor, new: tf.Tensor) -> tf.Tensor:
+    """The fraction of elements whose update from ``old`` to ``new``
+    (float32) is below half a bfloat16 ulp of ``old``: the updates that
+    rounding to nearest would lose, and stochastic rounding keeps on average
+    (the update-to-ulp statistic).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> old = tf.constant([1.0, 1.0, 1.0, 1.0])        # half an ulp: 2**-9
+        >>> float(below_half_ulp(old, old + [1e-4, -1e-3, 1e-2, 0.0]))
+        0.75
+    """
+    exponent = tf.bitwise.bitwise_and(tf.bitcast(old, tf.int32), 0x7F800000)
+    half = tf.bitcast(exponent, tf.float32) * 2.0 ** -8
+    return tf.reduce_mean(tf.cast(tf.abs(new - old) < half, tf.float32))
 
 
 def _adam_ops(gradient, squared, variable, m, v, alpha, beta_1, beta_2, epsilon, decay, step,
@@ -220,7 +242,8 @@ def _adam(gradient, squared, variable, m, v, *rest):
     shape = tf.shape(variable)
     flat = [None if t is None else tf.reshape(t, [-1])
             for t in (gradient, squared, variable, m, v)]
-    return [tf.reshape(t, shape) for t in _adam_xla(*flat, *rest, True)]
+    *state, lost = _adam_xla(*flat, *rest, True)
+    return [tf.reshape(t, shape) for t in state] + [lost]
 
 
 def _holds(optimizer: Any, variable: Any) -> tuple[int, Any] | None:
@@ -302,13 +325,14 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
     last = getattr(held, _LAST, None)
     with tf.control_dependencies([last[1]] if last is not None and last[0] is graph else []):
         if sparse:
-            done = _sparse(gradient, variable, m, v, hyper, optimizer.iterations, i)
+            done, lost = _sparse(gradient, variable, m, v, hyper, optimizer.iterations, i)
         else:
-            new, m_new, v_new = _adam(gradient, None, tf.convert_to_tensor(variable),
-                                      tf.convert_to_tensor(m), tf.convert_to_tensor(v), *hyper,
-                                      tf.convert_to_tensor(optimizer.iterations),
-                                      tf.constant(i, tf.int32))
-            done = _assign((variable, m, v), (new, m_new, v_new))
+            *new, lost = _adam(gradient, None, tf.convert_to_tensor(variable),
+                               tf.convert_to_tensor(m), tf.convert_to_tensor(v), *hyper,
+                               tf.convert_to_tensor(optimizer.iterations),
+                               tf.constant(i, tf.int32))
+            done = _assign((variable, m, v), new)
+        done += _note(held, variable, lost)
     if graph is not None:
         setattr(held, _LAST, (graph, tf.group(done)))
     return True
@@ -331,15 +355,54 @@ def _sparse(gradient: tf.IndexedSlices, variable, m, v, hyper, iterations, i: in
     g = tf.math.unsorted_segment_sum(values, position, count)
     squared = tf.math.unsorted_segment_sum(tf.square(values), position, count)
     state = [tf.convert_to_tensor(x) for x in (variable, m, v)]
-    decayed = _adam(None, None, *state, *hyper, tf.convert_to_tensor(iterations),
-                    tf.constant(i, tf.int32))
+    *decayed, _ = _adam(None, None, *state, *hyper, tf.convert_to_tensor(iterations),
+                        tf.constant(i, tf.int32))
     shape = tf.shape(state[0])
 
     def numbers(salt):
         return _row_numbers(rows, shape, iterations, i, salt)
-    reached = _math(g, squared, *(tf.gather(x, rows) for x in state), *hyper, numbers)
+    *reached, lost = _math(g, squared, *(tf.gather(x, rows) for x in state), *hyper, numbers)
     return _assign((variable, m, v), [tf.tensor_scatter_nd_update(x, rows[:, None], y)
-                                       for x, y in zip(decayed, reached)])
+                                       for x, y in zip(decayed, reached)]), lost
+
+
+def _note(held, variable, lost) -> list:
+    """Keeps a compact weight's update-to-ulp statistic of this step where
+    :func:`keep_statistics` made it a place (an op to run with the update)."""
+    kept = (getattr(held, STATISTICS, None) or {}).get(id(_tf_variable(variable)))
+    return [] if kept is None else [kept.assign(lost, read_value=False)]
+
+
+def keep_statistics(optimizer: Any, variables) -> None:
+    """Makes a place, per compact weight in ``variables``, for the fraction
+    of its last update's elements below half a bfloat16 ulp
+    (:func:`below_half_ulp`), read by :func:`statistic`; eagerly, before a
+    train step is traced (at the start of ``fit``).
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras optimizer.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"`optimizer` must be a Keras optimizer, got {optimizer!r}.")
+    held = _installed.installed(optimizer)
+    kept = getattr(held, STATISTICS, None) or {}
+    wanted = {id(_tf_variable(v)): v for v in variables}
+    kept = {k: kept.get(k) or tf.Variable(float("nan"), trainable=False, name="below_half_ulp")
+            for k in wanted}
+    setattr(held, STATISTICS, kept)
+
+
+def statistic(optimizer: Any, variable: Any) -> float | None:
+    """``variable``'s last update-to-ulp statistic kept in ``optimizer``
+    (:func:`keep_statistics`): the fraction of its elements whose float32
+    update was below half a bfloat16 ulp; None where none is kept or no
+    update ran yet."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"`optimizer` must be a Keras optimizer, got {optimizer!r}.")
+    kept = (getattr(_installed.installed(optimizer), STATISTICS, None) or {}).get(
+        id(_tf_variable(variable)))
+    value = None if kept is None else float(kept.numpy())
+    return None if value is None or value != value else value
 
 
 def _assign(variables, values) -> list:

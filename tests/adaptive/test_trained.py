@@ -440,3 +440,17 @@ def test_a_nan_batch_leaves_compact_weights_as_they_were(compact):
     # Weights, moments and iterations as they were; only the skip counters count it.
     assert changed == ["loss_scale_optimizer/skipped_steps",
                        "loss_scale_optimizer/consecutive_skips"], changed
+
+
+@pytest.mark.parametrize("learning_rate, lost", [(1e-6, (0.95, 1.0)), (1e-1, (0.0, 0.05))])
+def test_the_report_gives_each_compact_weights_update_to_ulp_statistic(compact, learning_rate,
+                                                                        lost):
+    # The fraction of a weight's last update below half a bfloat16 ulp: what
+    # rounding to nearest would have lost (all of a tiny step, none of a big one).
+    model = _model(optimizer=keras.optimizers.Adam(learning_rate))
+    _fit(model)
+    entry = keras_mp.precision_report(model).storage()["net/hidden/kernel"]
+    assert entry["dtype"] == "bfloat16"
+    assert lost[0] <= entry["below_half_ulp"] <= lost[1], entry
+    assert keras_mp.precision_report(model).storage()["net/hidden/bias"]["below_half_ulp"] \
+        is not None

@@ -53,9 +53,10 @@ def _dense_reference(opt, w, gradient):
 
     def sparse(gradient, variable, m, v, hyper, iterations, i):
         state = [tf.convert_to_tensor(x) for x in (variable, m, v)]
-        return compact_update._assign((variable, m, v), compact_update._adam(
-            dense, squared, *state, *hyper, tf.convert_to_tensor(iterations),
-            tf.constant(i, tf.int32)))
+        *new, lost = compact_update._adam(dense, squared, *state, *hyper,
+                                          tf.convert_to_tensor(iterations),
+                                          tf.constant(i, tf.int32))
+        return compact_update._assign((variable, m, v), new), lost
     compact_update._sparse = sparse
     try:
         assert compact_update.adam(opt, gradient, w, 0.01)

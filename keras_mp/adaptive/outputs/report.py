@@ -28,6 +28,7 @@ import keras
 from keras_mp.adaptive.integration import rescue, skipping
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.storage import variables as storage_vars
+from keras_mp.execution import compact_update, optimizer_state
 
 __all__ = ["COLUMNS", "PrecisionReport", "dtype_switches", "precision_report", "switch_text"]
 
@@ -257,15 +258,21 @@ def _computing_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
     return out
 
 
-def _storage(layer: keras.layers.Layer, record: dict[str, Any]) -> dict[str, Any] | None:
+def _storage(layer: keras.layers.Layer, record: dict[str, Any],
+             optimizer: Any = None) -> dict[str, Any] | None:
     """Each variable a storage decision was made for: the dtype it is in now
-    and its bytes, with the decision's reason and error."""
+    and its bytes, with the decision's reason and error, and for a weight
+    stored in bfloat16 that trains, ``below_half_ulp``: the fraction of its
+    last update's elements below half a bfloat16 ulp (what rounding to
+    nearest would have lost; :func:`keras_mp.execution.compact_update.statistic`)."""
     decided = record.get("storage")
     if not decided:
         return None
     own = {v.name: v for v in layer._trainable_variables + layer._non_trainable_variables}
     return {name: {**entry, "dtype": storage_vars.stored_dtype(own[name]),
-                   "bytes": storage_vars.nbytes(own[name])}
+                   "bytes": storage_vars.nbytes(own[name]),
+                   "below_half_ulp": None if optimizer is None
+                   else compact_update.statistic(optimizer, own[name])}
             for name, entry in decided.items() if name in own}
 
 
@@ -287,6 +294,9 @@ def precision_report(model: keras.Model) -> PrecisionReport:
         else _computing_layers(model)
     records = [policy.record(layer.path) if policy is not None else {} for layer in layers]
     order = sorted(range(len(layers)), key=lambda i: (records[i].get("position", i), i))
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = optimizer_state.inner(optimizer) \
+        if isinstance(optimizer, keras.optimizers.Optimizer) else None
     rows = []
     for i in order:
         layer, record = layers[i], records[i]
@@ -310,7 +320,7 @@ def precision_report(model: keras.Model) -> PrecisionReport:
             "switches": dtype_switches(record.get("history", [])),
             "history": [dict(h) for h in record.get("history", [])],
             "rules": list(record.get("rules", [])),
-            "storage": _storage(layer, record),
+            "storage": _storage(layer, record, optimizer),
         })
     name = policy.name if policy is not None else keras.config.dtype_policy().name
     metrics = tuple(rescue.float32_metrics(model)) if isinstance(model, keras.Model) else ()

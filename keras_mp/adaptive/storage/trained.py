@@ -237,6 +237,7 @@ def mark(optimizer: Any, compact: list | None, restored: bool) -> None:
     ids = {id(v) for v in compact or () if storage_vars.stored_dtype(v) == "bfloat16"}
     if compact is not None:
         setattr(_installed.installed(opt), compact_update.WEIGHTS, ids)
+        compact_update.keep_statistics(opt, [v for v in compact if id(v) in ids])
     if ids:
         native_update.install(opt)
         exclude_decay(opt)
