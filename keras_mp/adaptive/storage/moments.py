@@ -34,7 +34,8 @@ Each decision is in the layer's record (``"storage"``, the variable's
 Why by default there and only there: in a large model the moments are most
 of the training state (8 of 16 bytes a parameter), and the 1000-step
 quality runs of docs/benchmarks.md ("Does compact storage train as well?")
-ended within 1 % of float32's loss; in a small one they save little, and
+ended within 1 % of float32's loss on five of six figures (one +1.13 %);
+in a small one they save little, and
 each compiled update costs start-up. A layer computing in float32 (a
 float32-only CPU, a promoted layer) keeps float32 moments by default: its
 update stays TensorFlow's fused kernel. The per-variable statistic the issue
