@@ -235,15 +235,18 @@ def compiled() -> bool:
     return xla.forced("elementwise") is not False and xla.xla_available()
 
 
-def _adam(gradient, squared, variable, m, v, *rest):
+def _adam(gradient, squared, variable, m, v, *rest, flat: bool = False):
+    """The update's new weight, moments and statistic; ``flat``: the first
+    three flattened (as the compiled update makes them)."""
+    shape = tf.shape(variable)
     if not compiled():
         run = _adam_ops if tf.inside_function() else _adam_graph
-        return run(gradient, squared, variable, m, v, *rest, False)
-    shape = tf.shape(variable)
-    flat = [None if t is None else tf.reshape(t, [-1])
-            for t in (gradient, squared, variable, m, v)]
-    *state, lost = _adam_xla(*flat, *rest, True)
-    return [tf.reshape(t, shape) for t in state] + [lost]
+        *state, lost = run(gradient, squared, variable, m, v, *rest, False)
+        return [tf.reshape(t, [-1]) if flat else t for t in state] + [lost]
+    inputs = [None if t is None else tf.reshape(t, [-1])
+              for t in (gradient, squared, variable, m, v)]
+    *state, lost = _adam_xla(*inputs, *rest, True)
+    return [t if flat else tf.reshape(t, shape) for t in state] + [lost]
 
 
 def _holds(optimizer: Any, variable: Any) -> tuple[int, Any] | None:
@@ -356,14 +359,19 @@ def _sparse(gradient: tf.IndexedSlices, variable, m, v, hyper, iterations, i: in
     squared = tf.math.unsorted_segment_sum(tf.square(values), position, count)
     state = [tf.convert_to_tensor(x) for x in (variable, m, v)]
     *decayed, _ = _adam(None, None, *state, *hyper, tf.convert_to_tensor(iterations),
-                        tf.constant(i, tf.int32))
+                        tf.constant(i, tf.int32), flat=True)
     shape = tf.shape(state[0])
 
     def numbers(salt):
         return _row_numbers(rows, shape, iterations, i, salt)
     *reached, lost = _math(g, squared, *(tf.gather(x, rows) for x in state), *hyper, numbers)
-    return _assign((variable, m, v), [tf.tensor_scatter_nd_update(x, rows[:, None], y)
-                                       for x, y in zip(decayed, reached)]), lost
+    # Written over in the flat values the update made: there TensorFlow's
+    # scatter takes the buffer as it is (shaped, it copied two of the three).
+    width = tf.cast(tf.reduce_prod(shape[1:]), rows.dtype)
+    at = tf.reshape(rows[:, None] * width + tf.range(width, dtype=rows.dtype)[None, :], [-1, 1])
+    return _assign((variable, m, v), [
+        tf.reshape(tf.tensor_scatter_nd_update(x, at, tf.reshape(y, [-1])), shape)
+        for x, y in zip(decayed, reached)]), lost
 
 
 def _note(held, variable, lost) -> list:

@@ -184,6 +184,7 @@ def test_an_embeddings_update_holds_about_one_copy_of_its_state(stored):
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     # The new values of the weight and both moments (one copy of the state),
     # a copy of one of them (where TensorFlow's TensorScatterUpdate does not
-    # write into its input), the batch's rows: 1.4-1.8x the state measured.
-    # Before: 3.5x (bfloat16 moments) and 4.9x (bfloat16 weight).
-    assert measured["transient"] < 2.2 * measured["state"], measured
+    # write into its input), the batch's rows: 1.5-2.2x the state measured,
+    # varying run to run with the allocator's chunks. Before: 3.5x (bfloat16
+    # moments) and 4.9x (bfloat16 weight).
+    assert measured["transient"] < 2.75 * measured["state"], measured
