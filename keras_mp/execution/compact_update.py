@@ -341,7 +341,8 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
     return True
 
 
-def _sparse(gradient: tf.IndexedSlices, variable, m, v, hyper, iterations, i: int) -> list:
+def _sparse(gradient: tf.IndexedSlices, variable, m, v, hyper, iterations,
+            i: int) -> tuple[list, tf.Tensor]:
     """An embedding's update from its sparse gradient, as Keras's Adam
     computes it made dense (every row's moments decay and its weight moves;
     the second moment from the sum of each lookup's squared gradient, not the
@@ -351,7 +352,8 @@ def _sparse(gradient: tf.IndexedSlices, variable, m, v, hyper, iterations, i: in
     A dense float32 gradient and its square were two copies of the table
     (188 MiB for the 32000 x 768 token table of ``benchmarks/llm_memory.py``'s
     Llama). No sparse op touches the variables: after one, TensorFlow copies
-    a variable on every read (three more copies of the table)."""
+    a variable on every read (three more copies of the table). Returns the
+    assignments and the update-to-ulp statistic of the reached rows."""
     rows, position = tf.unique(gradient.indices)
     count = tf.size(rows)
     values = tf.cast(gradient.values, tf.float32)
@@ -395,7 +397,9 @@ def keep_statistics(optimizer: Any, variables) -> None:
     held = _installed.installed(optimizer)
     kept = getattr(held, STATISTICS, None) or {}
     wanted = {id(_tf_variable(v)): v for v in variables}
-    kept = {k: kept.get(k) or tf.Variable(float("nan"), trainable=False, name="below_half_ulp")
+    # The places already made stay (a train step traced before assigns them).
+    kept = {k: kept[k] if k in kept
+            else tf.Variable(float("nan"), trainable=False, name="below_half_ulp")
             for k in wanted}
     setattr(held, STATISTICS, kept)
 

@@ -454,3 +454,13 @@ def test_the_report_gives_each_compact_weights_update_to_ulp_statistic(compact, 
     assert lost[0] <= entry["below_half_ulp"] <= lost[1], entry
     assert keras_mp.precision_report(model).storage()["net/hidden/bias"]["below_half_ulp"] \
         is not None
+
+
+def test_the_statistic_is_kept_across_fits_whatever_its_value(compact):
+    # At lr 0.1 no update is below half an ulp: the statistic is exactly 0,
+    # and the next fit keeps the place the traced step assigns.
+    model = _model(optimizer=keras.optimizers.Adam(1e-1))
+    for _ in range(2):
+        _fit(model)
+        entry = keras_mp.precision_report(model).storage()["net/hidden/kernel"]
+        assert entry["below_half_ulp"] is not None and entry["below_half_ulp"] < 0.05
