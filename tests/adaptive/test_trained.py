@@ -457,10 +457,20 @@ def test_the_report_gives_each_compact_weights_update_to_ulp_statistic(compact, 
 
 
 def test_the_statistic_is_kept_across_fits_whatever_its_value(compact):
-    # At lr 0.1 no update is below half an ulp: the statistic is exactly 0,
-    # and the next fit keeps the place the traced step assigns.
+    # A train step traced in one fit assigns the place made for it; the next
+    # fit keeps that place, also where the statistic is exactly 0 (no update
+    # below half an ulp), which a truth test would have read as missing.
     model = _model(optimizer=keras.optimizers.Adam(1e-1))
-    for _ in range(2):
-        _fit(model)
-        entry = keras_mp.precision_report(model).storage()["net/hidden/kernel"]
-        assert entry["below_half_ulp"] is not None and entry["below_half_ulp"] < 0.05
+    _fit(model)
+    opt = model.optimizer.inner_optimizer if hasattr(model.optimizer, "inner_optimizer") \
+        else model.optimizer
+    kernel = model.get_layer("hidden").kernel
+    places = dict(getattr(keras_mp._installed.installed(opt), compact_update.STATISTICS))
+    for place in places.values():
+        place.assign(0.0)
+    compact_update.keep_statistics(opt, [kernel])
+    kept = getattr(keras_mp._installed.installed(opt), compact_update.STATISTICS)
+    assert all(kept[k] is places[k] for k in kept) and kept
+    assert compact_update.statistic(opt, kernel) == 0.0
+    _fit(model)
+    assert compact_update.statistic(opt, kernel) < 0.05
