@@ -208,6 +208,13 @@ CASES = [
     ("adaptive.storage.frozen.decide", lambda: frozen.decide(
         trains=False, compute_dtype="bfloat16", read_in_compute=True, overridden=False,
         error="small"), TypeError, "`error`"),
+    ("adaptive.storage.frozen.decide", lambda: frozen.decide(
+        trains=True, compute_dtype="bfloat16", read_in_compute=False, overridden=False,
+        read_by_cast="yes"), TypeError, "`read_by_cast`"),
+    ("adaptive.storage.frozen.read_by_cast",
+     lambda: frozen.read_by_cast("dense", keras.Variable(1.0)), TypeError, "`layer`"),
+    ("adaptive.storage.frozen.read_by_cast",
+     lambda: frozen.read_by_cast(keras.layers.Dense(1), 1.0), TypeError, "`variable`"),
     ("adaptive.storage.frozen.read_in_compute_dtype",
      lambda: frozen.read_in_compute_dtype("dense", keras.Variable(1.0)), TypeError, "`layer`"),
     ("adaptive.storage.variables.store_as", lambda: storage_vars.store_as(

@@ -330,6 +330,61 @@ def test_an_embeddings_sparse_gradient_takes_the_float32_update(compact):
     assert rest.mean() == pytest.approx((1 - 1e-3) ** 20, abs=2e-3)
 
 
+@pytest.mark.parametrize("tie_weights, reverse_dtype", [(False, None), (False, "float32"),
+                                                        (True, "float32")])
+def test_a_logits_kernel_read_in_float32_trains_compactly(tie_weights, reverse_dtype, compact):
+    # A ReversibleEmbedding computes its logits in float32 (its untied kernel
+    # is read as the float32 variable; ``reverse_dtype`` casts it): stored in
+    # bfloat16 it trains compactly, its logits still float32 from the kernel's
+    # bfloat16 value. Frozen, it stays float32.
+    with keras_mp.policy_scope("adaptive_bfloat16"):
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((4,), dtype="int32")
+        table = keras.layers.ReversibleEmbedding(32, 8, tie_weights=tie_weights, name="table",
+                                                 reverse_dtype=reverse_dtype)
+        logits = table(keras.layers.Dense(8, name="mix")(table(ids)), reverse=True)
+        model = keras.Model(ids, logits)
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss=keras.losses.
+                  SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).integers(0, 32, (64, 4)).astype("int32")
+    history = model.fit(x, x, batch_size=16, epochs=3, verbose=0)
+    kernel = table.embeddings if tie_weights else table.reverse_embeddings
+    entry = _storage(model, "table/" + ("embeddings" if tie_weights else "reverse_embeddings"))
+    assert (entry["dtype"], entry["reason"]) == ("bfloat16", "trains_compact")
+    assert variables.stored_dtype(kernel) == "bfloat16"
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    out = model.predict(x[:4], verbose=0)
+    assert out.dtype == np.float32                  # the logits stay float32
+    h = model.get_layer("mix")(table(x[:4]))
+    expected = keras.ops.matmul(keras.ops.cast(h, "float32"), keras.ops.cast(
+        keras.ops.transpose(kernel) if tie_weights else kernel, "float32"))
+    np.testing.assert_allclose(out, np.asarray(expected), rtol=1e-6, atol=1e-6)
+    table.trainable = False
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss=keras.losses.
+                  SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, x, batch_size=16, epochs=1, verbose=0)
+    entry = _storage(model, "table/reverse_embeddings") if not tie_weights else None
+    if entry is not None:
+        assert (entry["dtype"], entry["reason"]) == ("float32", "read_in_float32")
+
+
+def test_a_tied_logits_kernel_read_by_a_transpose_stays_float32(compact):
+    # Tied, with ``reverse_dtype=None``, the logits take the table's dtype
+    # through its transpose: a bfloat16 table would make them bfloat16.
+    with keras_mp.policy_scope("adaptive_bfloat16"):
+        ids = keras.Input((4,), dtype="int32")
+        table = keras.layers.ReversibleEmbedding(32, 8, name="table")
+        model = keras.Model(ids, table(keras.layers.Dense(8)(table(ids)), reverse=True))
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss=keras.losses.
+                  SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).integers(0, 32, (32, 4)).astype("int32")
+    model.fit(x, x, batch_size=16, verbose=0)
+    entry = _storage(model, "table/embeddings")
+    assert (entry["dtype"], entry["reason"]) == ("float32", "read_in_float32")
+    assert model.predict(x[:2], verbose=0).dtype == np.float32
+
+
 @pytest.mark.parametrize("stored", ["weight", "moments"])
 def test_a_sparse_gradient_updates_as_keras_adam_does(stored):
     # Row 1 is looked up twice: Keras's Adam makes the gradient dense and its

@@ -32,7 +32,13 @@ The rule, per variable, in this order (:func:`decide`):
 4. its layer computes in float32 (``compute_float32``), or reads it in
    float32 (``read_in_float32``: Keras's normalization layers read gamma and
    beta so, and ``ReversibleEmbedding`` its logits' kernel;
-   :func:`read_in_compute_dtype`); variables that are not weights (float8
+   :func:`read_in_compute_dtype`); a weight that trains compactly and is
+   read in float32 only through an explicit cast of its value (a
+   ``ReversibleEmbedding``'s logits kernel, :func:`read_by_cast`) is the
+   exception: its float32 reads then see its bfloat16 value, the logits still
+   computed and accumulated in float32 (the Llama of
+   ``benchmarks/llm_memory.py``: 24.6M of its 99.5M parameters, the last
+   float32 weight there); variables that are not weights (float8
    scales, BatchNormalization's moving statistics, anything created
    non-trainable) are never stored compactly;
 5. the cast loses more than a rounding: the relative error of the cast,
@@ -81,7 +87,8 @@ from keras_mp.adaptive.storage import variables as storage_vars
 from keras_mp.device import memory
 
 __all__ = ["REASONS", "UNIT_ROUNDOFF", "apply", "cast_error", "decide", "enabled",
-           "frozen_variables", "read_in_compute_dtype", "set_enabled", "set_override"]
+           "frozen_variables", "read_by_cast", "read_in_compute_dtype", "set_enabled",
+           "set_override"]
 
 #: The reasons of :func:`decide`, and what each means.
 REASONS: dict[str, str] = {
@@ -208,12 +215,15 @@ def cast_error(value: Any, dtype: str, chunk: int = 2**20) -> float:
 
 def decide(*, trains: bool, compute_dtype: str, read_in_compute: bool, overridden: bool,
            error: float | Callable[[], float] = 0.0,
-           compact_training: bool = False) -> tuple[str, str]:
+           compact_training: bool = False, read_by_cast: bool = False) -> tuple[str, str]:
     """(stored dtype, reason) for one variable (the rule of the module's
     docstring). ``error``: :func:`cast_error` to ``compute_dtype``, or a
     function computing it, called only when the rule gets that far;
     ``compact_training``: whether a weight that trains may be stored in
-    bfloat16 (:func:`keras_mp.adaptive.storage.trained.allowed`).
+    bfloat16 (:func:`keras_mp.adaptive.storage.trained.allowed`);
+    ``read_by_cast``: whether its reads outside the compute dtype all cast
+    its value (:func:`read_by_cast`), which lets a weight that trains
+    compactly be bfloat16 though not ``read_in_compute``.
 
     Example:
         >>> decide(trains=False, compute_dtype="bfloat16", read_in_compute=True,
@@ -228,9 +238,17 @@ def decide(*, trains: bool, compute_dtype: str, read_in_compute: bool, overridde
         >>> decide(trains=True, compute_dtype="bfloat16", read_in_compute=True,
         ...        overridden=False, error=0.002, compact_training=True)
         ('bfloat16', 'trains_compact')
+        >>> decide(trains=True, compute_dtype="bfloat16", read_in_compute=False,
+        ...        overridden=False, error=0.002, compact_training=True, read_by_cast=True)
+        ('bfloat16', 'trains_compact')
+        >>> decide(trains=False, compute_dtype="bfloat16", read_in_compute=False,
+        ...        overridden=False, error=0.002, read_by_cast=True)
+        ('float32', 'read_in_float32')
     """
     if not (callable(error) or checks.is_number(error)):
         raise TypeError(f"`error` must be a number or a function returning one, got {error!r}.")
+    if not isinstance(read_by_cast, bool):
+        raise TypeError(f"`read_by_cast` must be True or False, got {read_by_cast!r}.")
     if trains and not (compact_training and compute_dtype == "bfloat16"):
         return "float32", "trains"
     if not trains and not _state["enabled"]:
@@ -239,7 +257,7 @@ def decide(*, trains: bool, compute_dtype: str, read_in_compute: bool, overridde
         return "float32", "override"
     if compute_dtype not in UNIT_ROUNDOFF:
         return "float32", "compute_float32"
-    if not read_in_compute:
+    if not (read_in_compute or (trains and read_by_cast)):
         return "float32", "read_in_float32"
     if not (error() if callable(error) else error) <= UNIT_ROUNDOFF[compute_dtype]:
         return "float32", "not_representable"
@@ -280,6 +298,36 @@ def read_in_compute_dtype(layer: keras.layers.Layer, variable: Any) -> bool:
             in_float32 and layer.tie_weights)
     return reverse and variable is getattr(layer, "reverse_embeddings", None) \
         and not in_float32
+
+
+def read_by_cast(layer: keras.layers.Layer, variable: Any) -> bool:
+    """Whether ``variable`` is the kernel of a ``ReversibleEmbedding``'s
+    logits read as a float32 value: its ``reverse_embeddings`` (Keras's
+    ``matmul`` reads the variable itself in its float32 dtype, or casts it to
+    ``reverse_dtype``), or its table where tied and ``reverse_dtype`` casts
+    the transposed table (with ``reverse_dtype=None`` the transpose would
+    carry a bfloat16 table's dtype into the logits). Stored in bfloat16, those
+    float32 logits are computed from its bfloat16 value.
+
+    Example:
+        >>> import keras
+        >>> layer = keras.layers.ReversibleEmbedding(10, 4, tie_weights=False)
+        >>> layer.build(None)
+        >>> read_by_cast(layer, layer.reverse_embeddings)
+        True
+        >>> read_by_cast(keras.layers.Embedding(10, 4), layer.reverse_embeddings)
+        False
+    """
+    if not isinstance(layer, keras.layers.Layer):
+        raise TypeError(f"`layer` must be a Keras layer, got {layer!r}.")
+    if not isinstance(variable, keras.Variable):
+        raise TypeError(f"`variable` must be a keras.Variable, got {variable!r}.")
+    if not isinstance(layer, keras.layers.ReversibleEmbedding) \
+            or getattr(layer, "lora_enabled", False):
+        return False
+    if layer.tie_weights:
+        return variable is layer._embeddings and layer.reverse_dtype is not None
+    return variable is getattr(layer, "reverse_embeddings", None)
 
 
 def frozen_variables(model: keras.Model, layers=None) -> list[tuple[Any, Any, bool]]:
@@ -336,7 +384,7 @@ def apply(model: Any, layers=None, *, restore_only: bool = False) -> list[dict[s
             trains=trains, compute_dtype=compute,
             read_in_compute=read_in_compute_dtype(layer, v),
             overridden=record.get(_OVERRIDE, {}).get(v.name) == "float32", error=error,
-            compact_training=compact_training)
+            compact_training=compact_training, read_by_cast=read_by_cast(layer, v))
         found = dict(dtype=dtype, reason=reason, error=measured[0] if measured else None)
         if storage_vars.store_as(v, dtype):
             made.append(dict(variable=v.path, old=old, **found))
