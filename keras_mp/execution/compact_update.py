@@ -83,7 +83,7 @@ from keras_mp import _checks as checks
 from keras_mp import _installed
 from keras_mp.device import xla
 
-__all__ = ["MOMENT_DTYPE", "STATISTICS", "WEIGHTS", "WEIGHT_SALT", "adam", "applies",
+__all__ = ["MOMENT_DTYPE", "SLOTS", "STATISTICS", "WEIGHTS", "WEIGHT_SALT", "adam", "applies",
            "below_half_ulp", "compact_weight", "compiled", "dither", "dithered", "keep_statistics",
            "statistic"]
 
@@ -98,6 +98,16 @@ WEIGHT_SALT = 0x8000
 #: The attribute of an optimizer's holder that keeps the compact weights'
 #: update-to-ulp statistics (:func:`keep_statistics`).
 STATISTICS = "update_statistics"
+#: The optimizer classes (exact) whose slots can be stored in bfloat16, and
+#: the attributes holding their slot lists: Adam's and AdamW's update is
+#: :func:`adam`, the others' :mod:`keras_mp.execution.compact_rules`'.
+SLOTS: dict[type, tuple[str, ...]] = {
+    keras.optimizers.Adam: ("_momentums", "_velocities"),
+    keras.optimizers.AdamW: ("_momentums", "_velocities"),
+    keras.optimizers.SGD: ("momentums",), keras.optimizers.Adamax: ("_m", "_u"),
+    keras.optimizers.Nadam: ("_momentums", "_velocities"),
+    keras.optimizers.Lion: ("_momentums",)}
+_ADAMS = (keras.optimizers.Adam, keras.optimizers.AdamW)
 _DECAY = "_use_weight_decay"
 _LAST = "compact_update_last"   # (graph, the last update's op) in the optimizer's holder
 _LOW = 0xFFFF
@@ -274,35 +284,71 @@ def compact_weight(optimizer: Any, variable: Any) -> bool:
 
 
 def applies(optimizer: Any, variable: Any) -> bool:
-    """Whether ``variable``'s update in ``optimizer`` (an Adam or AdamW, not
-    AMSGrad) is :func:`adam`'s: a float32 variable whose moments are stored
-    in bfloat16, or a weight stored so (:func:`compact_weight`)."""
+    """Whether ``variable``'s update in ``optimizer`` is computed over its
+    compact state (:func:`adam`, or
+    :func:`keras_mp.execution.compact_rules.update`): an exact class of
+    :data:`SLOTS` (Adam and AdamW without AMSGrad, SGD with momentum,
+    Adamax, Nadam, Lion), and a
+    float32 variable whose slots are all stored in bfloat16, or a weight
+    stored so (:func:`compact_weight`)."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"`optimizer` must be a Keras optimizer, got {optimizer!r}.")
-    slots = getattr(optimizer, "_momentums", None)
-    if not slots or getattr(optimizer, "amsgrad", True):
+    names = SLOTS.get(type(optimizer))
+    if names is None or getattr(optimizer, "amsgrad", False):
         return False
+    slots = [getattr(optimizer, name, None) for name in names]
+    if not all(slots):
+        return False   # not built, or SGD without momentum
     if compact_weight(optimizer, variable):
         return True
     if variable.dtype != "float32":
         return False   # a 16-bit variable of the user's own: Keras's update
     i = optimizer._get_variable_index(variable)
-    return all(s[i] is not None and s[i]._dtype == "bfloat16"
-               for s in (slots, optimizer._velocities))
+    return all(s[i] is not None and s[i]._dtype == "bfloat16" for s in slots)
+
+
+def _takes(gradient: Any, variable: Any) -> bool:
+    """Whether ``gradient`` is a tensor or ``tf.IndexedSlices`` of
+    ``variable``'s dtype or float32."""
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    return isinstance(values, tf.Tensor) and values.dtype in (tf.float32,
+                                                              tf.as_dtype(variable.dtype))
+
+
+def _decay(optimizer, variable, lr) -> tf.Tensor:
+    """The decoupled weight decay this update applies in float32: where
+    Keras's own is left out (for a bfloat16 weight always:
+    keras_mp.adaptive.storage.trained.exclude_decay), else 0."""
+    wd = getattr(optimizer, "weight_decay", None)
+    ours = compact_weight(optimizer, variable) or _installed.is_wrapped(optimizer, _DECAY)
+    return lr * tf.cast(wd, tf.float32) if wd and ours and \
+        _installed.original(optimizer, _DECAY)(variable) else tf.zeros([], tf.float32)
+
+
+def _in_order(optimizer, make) -> None:
+    """Runs ``make(holder)`` (the update's ops) after the last update made
+    in this graph. One variable at a time: the update makes new values
+    before it assigns them (TensorFlow's fused kernel writes in place), and a
+    graph runs independent updates together, so without this order every
+    variable's new values (a second copy of weights and moments) could be
+    alive at once."""
+    held = _installed.installed(optimizer)
+    graph = tf.compat.v1.get_default_graph() if tf.inside_function() else None
+    last = getattr(held, _LAST, None)
+    with tf.control_dependencies([last[1]] if last is not None and last[0] is graph else []):
+        done = make(held)
+    if graph is not None:
+        setattr(held, _LAST, (graph, tf.group(done)))
 
 
 def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any) -> bool:
     """Applies ``optimizer``'s Adam update of ``variable`` in float32 over its
     bfloat16 moments or to its bfloat16 weight (see the module's docstring);
-    returns False, doing nothing, where :func:`applies` does not hold or the
-    gradient is neither a tensor nor ``tf.IndexedSlices`` of the variable's
-    dtype or float32."""
-    if not applies(optimizer, variable):
-        return False
-    sparse = isinstance(gradient, tf.IndexedSlices)
-    values = gradient.values if sparse else gradient
-    if not (isinstance(values, tf.Tensor)
-            and values.dtype in (tf.float32, tf.as_dtype(variable.dtype))):
+    returns False, doing nothing, where ``optimizer`` is not an Adam or
+    AdamW, :func:`applies` does not hold or the gradient is neither a tensor
+    nor ``tf.IndexedSlices`` of the variable's dtype or float32."""
+    if not applies(optimizer, variable) or type(optimizer) not in _ADAMS \
+            or not _takes(gradient, variable):
         return False
     i = optimizer._get_variable_index(variable)
     f32 = tf.float32
@@ -311,23 +357,12 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
     beta_2 = tf.constant(optimizer.beta_2, f32)
     lr = tf.cast(learning_rate, f32)
     alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
-    wd = getattr(optimizer, "weight_decay", None)
-    # AdamW's decay here where Keras's own is left out (for a bfloat16 weight
-    # always: keras_mp.adaptive.storage.trained.exclude_decay).
-    ours = compact_weight(optimizer, variable) or _installed.is_wrapped(optimizer, _DECAY)
-    decay = lr * tf.cast(wd, f32) if wd and ours and \
-        _installed.original(optimizer, _DECAY)(variable) else tf.zeros([], f32)
-    hyper = (alpha, beta_1, beta_2, tf.constant(optimizer.epsilon, f32), decay)
+    hyper = (alpha, beta_1, beta_2, tf.constant(optimizer.epsilon, f32),
+             _decay(optimizer, variable, lr))
     m, v = optimizer._momentums[i], optimizer._velocities[i]
-    # One variable at a time: the update makes new values before it assigns
-    # them (TensorFlow's fused kernel writes in place), and a graph runs
-    # independent updates together, so without this order every variable's
-    # new values (a second copy of weights and moments) could be alive at once.
-    held = _installed.installed(optimizer)
-    graph = tf.compat.v1.get_default_graph() if tf.inside_function() else None
-    last = getattr(held, _LAST, None)
-    with tf.control_dependencies([last[1]] if last is not None and last[0] is graph else []):
-        if sparse:
+
+    def make(held):
+        if isinstance(gradient, tf.IndexedSlices):
             done, lost = _sparse(gradient, variable, m, v, hyper, optimizer.iterations, i)
         else:
             *new, lost = _adam(gradient, None, tf.convert_to_tensor(variable),
@@ -335,9 +370,8 @@ def adam(optimizer: Any, gradient: tf.Tensor, variable: Any, learning_rate: Any)
                                tf.convert_to_tensor(optimizer.iterations),
                                tf.constant(i, tf.int32))
             done = _assign((variable, m, v), new)
-        done += _note(held, variable, lost)
-    if graph is not None:
-        setattr(held, _LAST, (graph, tf.group(done)))
+        return done + _note(held, variable, lost)
+    _in_order(optimizer, make)
     return True
 
 

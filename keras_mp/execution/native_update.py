@@ -21,8 +21,10 @@ an exact ``keras.optimizers.Adam``, ``AdamW`` (its weight decay is applied
 before ``update_step``, as in Keras) or ``SGD``, a dense float32 gradient for
 a float32 variable, no distribution strategy. Anything else (a subclass, a
 sparse gradient, a 16-bit variable, a strategy) runs Keras's own
-``update_step``; Adam's and AdamW's moments stored in bfloat16 run
-:mod:`keras_mp.execution.compact_update` (float32 math, dithered rounding).
+``update_step``; moments or weights stored in bfloat16 (of Adam, AdamW, SGD
+with momentum, Adamax, Nadam, Lion) run :mod:`keras_mp.execution.compact_rules`'
+update (float32 math, dithered rounding), which :func:`install` with
+``compact=True`` installs also where there is no native kernel.
 The variables are the same, so checkpoints, ``.keras``
 files and ``model.export`` see nothing new. SGD agrees with Keras to float32
 rounding; Adam's kernel takes ``1 - beta`` in float32 from float32 ``beta``
@@ -64,7 +66,7 @@ import keras
 import tensorflow as tf
 
 from keras_mp import _installed
-from keras_mp.execution import compact_update, optimizer_state
+from keras_mp.execution import compact_rules, optimizer_state
 
 __all__ = ["OPTIMIZERS", "install", "is_installed", "unsupported_reason"]
 
@@ -126,8 +128,16 @@ OPTIMIZERS: dict[type, Callable[..., bool]] = {
     keras.optimizers.Adam: _adam, keras.optimizers.AdamW: _adam, keras.optimizers.SGD: _sgd}
 
 
-def unsupported_reason(optimizer: Any) -> str | None:
-    """Why ``optimizer``'s update has no native kernel here (None when it has).
+def _no_kernel(opt, gradient, variable, learning_rate) -> bool:
+    """The native kernel of a class with none (Adamax, Nadam, Lion): Keras's
+    own ``update_step`` runs where no compact update applies."""
+    return False
+
+
+def unsupported_reason(optimizer: Any, *, compact: bool = False) -> str | None:
+    """Why ``optimizer``'s update has no native kernel here (None when it
+    has); ``compact``: or no update over compact state
+    (:data:`keras_mp.execution.compact_rules.UPDATES`).
 
     Args:
         optimizer: a Keras optimizer (a loss-scale wrapper counts as its
@@ -144,7 +154,7 @@ def unsupported_reason(optimizer: Any) -> str | None:
         'RMSprop has no native update kernel (Adam, AdamW, SGD have)'
     """
     opt = optimizer_state.inner(optimizer)
-    if type(opt) not in OPTIMIZERS:
+    if type(opt) not in OPTIMIZERS and not (compact and type(opt) in compact_rules.UPDATES):
         names = ", ".join(cls.__name__ for cls in OPTIMIZERS)
         return f"{type(opt).__name__} has no native update kernel ({names} have)"
     if keras.backend.backend() != "tensorflow":
@@ -160,8 +170,8 @@ def _wrap(opt, kernel: Callable[..., bool], original: Callable[..., Any]) -> Cal
     """``opt``'s ``update_step``: ``kernel`` where it applies, else ``original``."""
 
     def update_step(gradient, variable, learning_rate):
-        if compact_update.adam(opt, gradient, variable, learning_rate):
-            return None   # bfloat16 moments (keras_mp.adaptive.storage.moments)
+        if compact_rules.update(opt, gradient, variable, learning_rate):
+            return None   # compact state (keras_mp.adaptive.storage.moments, .trained)
         if (isinstance(gradient, tf.Tensor) and gradient.dtype == tf.float32
                 and not tf.distribute.has_strategy()
                 and kernel(opt, gradient, variable, learning_rate)):
@@ -171,18 +181,21 @@ def _wrap(opt, kernel: Callable[..., bool], original: Callable[..., Any]) -> Cal
     return update_step
 
 
-def install(optimizer: Any) -> bool:
+def install(optimizer: Any, *, compact: bool = False) -> bool:
     """Points ``optimizer``'s ``update_step`` (a loss-scale wrapper's inner
     optimizer's) at TensorFlow's fused kernel, where :func:`unsupported_reason`
     finds none against it; idempotent. Returns whether it is installed.
+    ``compact``: also for a class whose only faster update is the one over
+    compact state (:func:`keras_mp.execution.compact_rules.update`; Keras's
+    own ``update_step`` for the variables it does not take).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer.
     """
     opt = optimizer_state.inner(optimizer)
-    if not is_installed(opt) and unsupported_reason(opt) is None:
-        _installed.install_method(opt, _METHOD,
-                                  functools.partial(_wrap, opt, OPTIMIZERS[type(opt)]))
+    if not is_installed(opt) and unsupported_reason(opt, compact=compact) is None:
+        _installed.install_method(
+            opt, _METHOD, functools.partial(_wrap, opt, OPTIMIZERS.get(type(opt), _no_kernel)))
     return is_installed(opt)
 
 

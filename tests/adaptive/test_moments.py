@@ -146,11 +146,14 @@ def test_adamw_decays_a_float32_weight_once_inside_the_update(policy, compact):
 def test_other_optimizers_keep_their_moments():
     assert "AMSGrad" in moments.unsupported_reason(keras.optimizers.Adam(amsgrad=True))
     assert "RMSprop" in moments.unsupported_reason(keras.optimizers.RMSprop())
+    assert "without momentum" in moments.unsupported_reason(keras.optimizers.SGD(1e-2))
     keras_mp.config.set_compact_moments(True)
     try:
-        model = _model("adaptive", keras.optimizers.SGD(1e-2, momentum=0.9))
+        model = _model("adaptive", keras.optimizers.RMSprop(1e-2))
         _fit(model)
-        assert {str(v.dtype) for v in model.optimizer.inner_optimizer.momentums} == {"float32"}
+        opt = model.optimizer.inner_optimizer
+        assert {str(v.dtype) for v in opt._velocities} == {"float32"}
+        assert not native_update.is_installed(opt)
     finally:
         keras_mp.config.set_compact_moments(None)
 
@@ -213,3 +216,40 @@ def test_backup_and_restore_resumes_bit_for_bit(policy, compact, tmp_path):
     assert _slot_dtypes(resumed) == {"bfloat16"}
     for a, b in zip(_state(resumed), _state(whole)):
         np.testing.assert_array_equal(a, b)
+
+
+#: Keras's other stateful optimizers whose moments can be compact
+#: (keras_mp.execution.compact_rules).
+OTHERS = {"sgd_momentum": lambda: keras.optimizers.SGD(1e-2, momentum=0.9),
+          "adamax": lambda: keras.optimizers.Adamax(1e-2),
+          "nadam": lambda: keras.optimizers.Nadam(1e-2),
+          "lion": lambda: keras.optimizers.Lion(1e-3)}
+
+
+def _other_slots(model) -> list:
+    opt = model.optimizer.inner_optimizer
+    return [s for name in compact_update.SLOTS[type(opt)] for s in getattr(opt, name)]
+
+
+@pytest.mark.parametrize("name", sorted(OTHERS))
+def test_other_optimizers_train_on_compact_moments(name, compact, tmp_path):
+    """Slots in bfloat16 after fit, the loss falling, the report saying so, a
+    seeded fit repeated bit for bit and a .keras file carrying the state."""
+    runs = []
+    for _ in range(2):
+        keras.utils.clear_session(free_memory=False)
+        model = _model("adaptive", OTHERS[name]())
+        losses = _fit(model, epochs=3).history["loss"]
+        runs.append(_state(model))
+    assert {str(s.dtype) for s in _other_slots(model)} == {"bfloat16"}
+    assert np.isfinite(losses).all() and losses[-1] < 0.9 * losses[0], losses
+    assert _storage(model, "hidden/kernel")["moments"] == "bfloat16"
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    model.save(tmp_path / "other.keras")
+    loaded = keras.saving.load_model(tmp_path / "other.keras")
+    assert type(loaded.optimizer.inner_optimizer) is type(model.optimizer.inner_optimizer)
+    for a, b in zip(_state(loaded), _state(model)):
+        np.testing.assert_array_equal(a, b)     # bfloat16 values, exactly
+    _fit(loaded)
+    assert {str(s.dtype) for s in _other_slots(loaded)} == {"bfloat16"}

@@ -1,4 +1,4 @@
-"""Adam's and AdamW's moments stored in bfloat16, the update in float32.
+"""Optimizer moments stored in bfloat16, the update in float32.
 
 Keras's optimizers make each slot in its variable's dtype, so under mixed
 precision Adam holds 8 bytes of moments per float32 weight. Where
@@ -13,6 +13,10 @@ numbers, no distribution strategy) in bfloat16: 4 bytes per weight, and the
 update is computed in float32 from them, the second moment written back with
 dithered rounding (:mod:`keras_mp.execution.compact_update`, installed as the
 optimizer's ``update_step`` with :mod:`keras_mp.execution.native_update`).
+The same holds for the slots (:data:`SLOTS`) of ``SGD`` with momentum,
+``Adamax``, ``Nadam`` and ``Lion``, their update computed by the rules of
+:mod:`keras_mp.execution.compact_rules` (Nadam's scalar ``_u_product`` stays
+float32).
 The optimizer stays the user's Keras optimizer: files, checkpoints and
 ``BackupAndRestore`` carry its slots in bfloat16, and a file with float32
 slots loads into it (and the reverse) with the values cast.
@@ -70,15 +74,15 @@ from keras_mp import _installed
 from keras_mp.adaptive.policy.controlled_layers import adaptive_layers, policy_of
 from keras_mp.adaptive.storage import trained
 from keras_mp.adaptive.storage import variables as storage_vars
-from keras_mp.execution import native_update, optimizer_state
+from keras_mp.execution import compact_update, native_update, optimizer_state
 
 __all__ = ["SLOTS", "apply", "enabled", "set_enabled", "unsupported_reason"]
 
 #: The optimizer classes whose moments can be compact, and their slot lists.
-SLOTS: dict[type, tuple[str, ...]] = {keras.optimizers.Adam: ("_momentums", "_velocities"),
-                                      keras.optimizers.AdamW: ("_momentums", "_velocities")}
+SLOTS: dict[type, tuple[str, ...]] = compact_update.SLOTS
 _RECORD, _OVERRIDE = "storage", "storage_override"
-_SLOT_NAMES = ("momentum", "velocity")
+# The names the classes' ``build`` gives their slots (Adamax's u: "norm").
+_SLOT_NAMES = ("momentum", "velocity", "norm")
 _HELD = "moment_owners"  # in the optimizer's keras_mp._installed holder
 _state: dict[str, bool | None] = {"enabled": None}
 
@@ -210,7 +214,7 @@ def apply(model: Any) -> bool:
     if any(on for _, _, on in owners.values()) or trained.allowed(model):
         # The update over compact moments; the slots of a bfloat16 weight
         # are float32 unless compact moments are on (Keras copies its dtype).
-        native_update.install(opt)
+        native_update.install(opt, compact=True)
         trained.exclude_decay(opt)
         _installed.install_method(opt, "add_variable_from_reference",
                                   functools.partial(_from_reference, opt))

@@ -68,8 +68,9 @@ from keras_mp.execution import compact_update, native_update, optimizer_state
 __all__ = ["AUTO_PARAMETERS", "OPTIMIZERS", "adam_reason", "allowed", "enabled", "exclude_decay",
            "large", "mark", "on", "set_enabled", "unsupported_reason"]
 
-#: The optimizer classes whose update runs over bfloat16 weights.
-OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Adam, keras.optimizers.AdamW)
+#: The optimizer classes whose update runs over compact state (bfloat16
+#: moments; bfloat16 weights for all but Nadam: :func:`unsupported_reason`).
+OPTIMIZERS: tuple[type, ...] = tuple(compact_update.SLOTS)
 #: By default (the setting None) weights and moments are stored compactly in
 #: a model that trains at least this many parameters (2**24: 16.8 million,
 #: 128 MiB of training state saved at 8 bytes a parameter); below it the
@@ -125,9 +126,10 @@ def on(setting: bool | None, model: Any) -> bool:
 
 def adam_reason(optimizer: Any) -> str | None:
     """Why ``optimizer`` (a loss-scale wrapper counts as its inner optimizer)
-    is not an Adam or AdamW whose update keras-mp computes over compact
-    state (None when it is): the class, AMSGrad, a distribution strategy,
-    the native update's own conditions.
+    is not one whose update keras-mp computes over compact state (None when
+    it is: an exact Adam, AdamW, SGD with momentum, Adamax, Nadam or Lion):
+    the class, AMSGrad, SGD without momentum, a distribution strategy, the
+    native update's own conditions.
 
     Example:
         >>> import keras
@@ -138,13 +140,15 @@ def adam_reason(optimizer: Any) -> str | None:
     if type(opt) not in OPTIMIZERS:
         names = ", ".join(cls.__name__ for cls in OPTIMIZERS)
         return f"{type(opt).__name__}'s state is not stored compactly (only {names}'s)"
-    if opt.amsgrad:
+    if getattr(opt, "amsgrad", False):
         return "AMSGrad keeps a third moment: not stored compactly"
+    if isinstance(opt, keras.optimizers.SGD) and opt.momentum == 0:
+        return "SGD without momentum keeps no moments: its update is TensorFlow's kernel"
     strategy = getattr(opt, "_distribution_strategy", None)
     if tf.distribute.has_strategy() or (strategy is not None
                                         and strategy is not tf.distribute.get_strategy()):
         return "a distribution strategy: state stays float32"
-    return native_update.unsupported_reason(opt)
+    return native_update.unsupported_reason(opt, compact=True)
 
 
 def unsupported_reason(optimizer: Any) -> str | None:
@@ -162,6 +166,9 @@ def unsupported_reason(optimizer: Any) -> str | None:
     if reason is not None:
         return reason
     opt = optimizer_state.inner(optimizer)
+    if isinstance(opt, keras.optimizers.Nadam):
+        return ("Nadam's _u_product is made in its first variable's dtype: bfloat16 weights "
+                "would make it bfloat16")
     if opt.use_ema:
         return "an exponential moving average (use_ema) averages in the weight dtype"
     if opt.gradient_accumulation_steps:
@@ -239,7 +246,7 @@ def mark(optimizer: Any, compact: list | None, restored: bool) -> None:
         setattr(_installed.installed(opt), compact_update.WEIGHTS, ids)
         compact_update.keep_statistics(opt, [v for v in compact if id(v) in ids])
     if ids:
-        native_update.install(opt)
+        native_update.install(opt, compact=True)
         exclude_decay(opt)
     if restored:
         for o in {id(optimizer): optimizer, id(opt): opt}.values():
