@@ -55,6 +55,10 @@ weights and moments peaked at 2576 MiB instead of 2970-3028, 0.74x Keras
 float32's, and its step took 0.62 s instead of 1.49 (Keras
 ``mixed_bfloat16``: 0.68 s; docs/benchmarks.md).
 
+The slots of SGD with momentum, Adamax, Nadam and Lion (:data:`SLOTS`) are
+updated by the rules of :mod:`keras_mp.execution.compact_rules`, with this
+module's rounding, decay and one-variable-at-a-time order.
+
 Measured (100M parameters in 4 variables, median of 5 updates, process CPU
 time, 2-core AMD EPYC with AVX512-BF16 under load, TF 2.21): ``ResourceApplyAdam``
 on float32 moments 0.098 s, Keras's ``update_step`` as TensorFlow ops 0.377 s,

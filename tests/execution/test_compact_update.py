@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mp
-from keras_mp.adaptive.storage import variables
+from keras_mp.adaptive.storage import trained, variables
 from keras_mp.execution import compact_rules, compact_update, native_update
 
 ROWS, WIDTH = 50, 6
@@ -193,16 +193,18 @@ def test_an_embeddings_update_holds_about_one_copy_of_its_state(stored):
 #: Keras's other stateful optimizers (keras_mp.execution.compact_rules).
 OTHERS = {"sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
           "sgd_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
-          "adamax": lambda: keras.optimizers.Adamax(0.01),
+          "adamax": lambda: keras.optimizers.Adamax(0.01, weight_decay=0.5),
           "nadam": lambda: keras.optimizers.Nadam(0.01),
-          "lion": lambda: keras.optimizers.Lion(0.01)}
+          "lion": lambda: keras.optimizers.Lion(0.01, weight_decay=0.5)}
 
 
-def _other(name, compact: bool):
+def _other(name, compact: bool, weight: bool = False):
     """An optimizer of ``OTHERS`` over one weight; ``compact``: its slots in
     bfloat16 and keras-mp's update installed, else Keras's own update_step
-    over float32 slots (the reference)."""
+    over float32 slots (the reference); ``weight``: the weight in bfloat16."""
     w = keras.Variable(np.random.default_rng(1).normal(size=(ROWS, WIDTH)).astype("float32"))
+    if weight:
+        variables.store_as(w, "bfloat16")
     opt = OTHERS[name]()
     opt.build([w])
     slots = [getattr(opt, attr)[0] for attr in compact_update.SLOTS[type(opt)]]
@@ -210,7 +212,8 @@ def _other(name, compact: bool):
         for slot in slots:
             variables.store_as(slot, "bfloat16")
         assert native_update.install(opt, compact=True)
-        assert compact_update.applies(opt, w)
+        trained.exclude_decay(opt)   # the decay in the update's float32, as in fit
+        assert compact_update.applies(opt, w) and not opt._use_weight_decay(w)
     return opt, w, slots
 
 
@@ -223,7 +226,8 @@ def _ulp(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("name", sorted(OTHERS))
 def test_other_optimizers_step_as_kerass_float32_update(name, xla_forced):
     """A step from given float32 values moves the weight as Keras's own
-    update_step over float32 slots does (to float32 rounding), and stores
+    update_step over float32 slots does (to float32 rounding; Adamax's and
+    Lion's weight decay inside the update instead of Keras's), and stores
     its slots within a bfloat16 rounding; three steps later, reading
     rounded slots, the weights still agree within 2 % of their movement."""
     assert compact_update.compiled() is xla_forced
@@ -274,3 +278,22 @@ def test_an_other_optimizers_fallback_is_kerass_own_update():
     plain.build([v])
     assert not compact_update.applies(plain, v)
     assert not compact_rules.update(plain, tf.ones((2,)), v, 0.1)
+
+
+@pytest.mark.parametrize("name", ["adamax", "lion", "sgd_momentum"])
+def test_other_optimizers_update_a_bfloat16_weight_with_dithered_rounding(name):
+    """The rules take a weight stored in bfloat16 (read in float32, written
+    back dithered) as Adam's update does: after one step it is within a
+    bfloat16 ulp of Keras's float32 step from the same values, and it moved."""
+    (ours, w, _), (ref, w_ref, _) = _other(name, False, weight=True), _other(name, False)
+    start = np.asarray(w.numpy()).astype("float32")
+    w_ref.assign(start)
+    setattr(keras_mp._installed.installed(ours), compact_update.WEIGHTS, {id(w)})
+    assert native_update.install(ours, compact=True) and compact_update.applies(ours, w)
+    trained.exclude_decay(ours)   # as trained.mark does: the decay in float32, once
+    g = tf.constant(np.random.default_rng(4).normal(size=(ROWS, WIDTH)), tf.bfloat16)
+    ours.apply([g], [w])
+    ref.apply([tf.cast(g, tf.float32)], [w_ref])
+    got, expected = np.asarray(w.numpy()).astype("float32"), w_ref.numpy()
+    assert w.dtype == "bfloat16" and (got != start).mean() > 0.5
+    assert (np.abs(got - expected) <= _ulp(expected)).all()

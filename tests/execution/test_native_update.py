@@ -254,3 +254,26 @@ def _runs(graph, op_type: str) -> bool:
     library = graph.as_graph_def().library.function
     return any(op.type == op_type for op in graph.get_operations()) or any(
         node.op == op_type for function in library for node in function.node_def)
+
+
+@pytest.mark.parametrize("make", [keras.optimizers.Adamax, keras.optimizers.Nadam,
+                                  keras.optimizers.Lion], ids=["adamax", "nadam", "lion"])
+def test_compact_state_installs_where_no_native_kernel_is(make):
+    """Adamax, Nadam and Lion have no native kernel: install leaves them to
+    Keras unless asked for the update over compact state (compact=True),
+    and then a float32 slot still takes Keras's own update_step."""
+    assert "has no native update kernel" in native_update.unsupported_reason(make())
+    assert native_update.install(make()) is False
+    opt = make(0.01)
+    assert native_update.unsupported_reason(opt, compact=True) is None
+    w = keras.Variable(np.ones((3,), "float32"))
+    ref = make(0.01)
+    w_ref = keras.Variable(np.ones((3,), "float32"))
+    opt.build([w])
+    ref.build([w_ref])
+    assert native_update.install(opt, compact=True) and native_update.is_installed(opt)
+    opt.apply([tf.constant([1.0, -2.0, 0.5])], [w])
+    ref.apply([tf.constant([1.0, -2.0, 0.5])], [w_ref])
+    np.testing.assert_array_equal(w.numpy(), w_ref.numpy())   # Keras's own update, as is
+    assert not np.array_equal(w.numpy(), np.ones(3))
+    assert "RMSprop" in native_update.unsupported_reason(keras.optimizers.RMSprop(), compact=True)

@@ -68,9 +68,9 @@ from keras_mp.execution import compact_update, native_update, optimizer_state
 __all__ = ["AUTO_PARAMETERS", "OPTIMIZERS", "adam_reason", "allowed", "enabled", "exclude_decay",
            "large", "mark", "on", "set_enabled", "unsupported_reason"]
 
-#: The optimizer classes whose update runs over compact state (bfloat16
-#: moments; bfloat16 weights for all but Nadam: :func:`unsupported_reason`).
-OPTIMIZERS: tuple[type, ...] = tuple(compact_update.SLOTS)
+#: The optimizer classes whose update runs over bfloat16 weights (the
+#: moments of more can be compact: :func:`adam_reason`).
+OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Adam, keras.optimizers.AdamW)
 #: By default (the setting None) weights and moments are stored compactly in
 #: a model that trains at least this many parameters (2**24: 16.8 million,
 #: 128 MiB of training state saved at 8 bytes a parameter); below it the
@@ -137,8 +137,8 @@ def adam_reason(optimizer: Any) -> str | None:
         'AMSGrad keeps a third moment: not stored compactly'
     """
     opt = optimizer_state.inner(optimizer)
-    if type(opt) not in OPTIMIZERS:
-        names = ", ".join(cls.__name__ for cls in OPTIMIZERS)
+    if type(opt) not in compact_update.SLOTS:
+        names = ", ".join(cls.__name__ for cls in compact_update.SLOTS)
         return f"{type(opt).__name__}'s state is not stored compactly (only {names}'s)"
     if getattr(opt, "amsgrad", False):
         return "AMSGrad keeps a third moment: not stored compactly"
@@ -153,7 +153,11 @@ def adam_reason(optimizer: Any) -> str | None:
 
 def unsupported_reason(optimizer: Any) -> str | None:
     """Why ``optimizer`` keeps its trained weights in float32 (None when they
-    can be bfloat16): :func:`adam_reason`, and Keras's own per-variable
+    can be bfloat16): :func:`adam_reason`, a class other than Adam and AdamW
+    (:data:`OPTIMIZERS`; the update of SGD with momentum, Adamax and Lion in
+    :mod:`keras_mp.execution.compact_rules` takes a bfloat16 weight, but
+    their compact weights are not turned on; Nadam's ``_u_product`` would
+    take the first weight's dtype), and Keras's own per-variable
     state that copies the weight's dtype (an exponential moving average,
     gradient accumulators).
 
@@ -166,9 +170,9 @@ def unsupported_reason(optimizer: Any) -> str | None:
     if reason is not None:
         return reason
     opt = optimizer_state.inner(optimizer)
-    if isinstance(opt, keras.optimizers.Nadam):
-        return ("Nadam's _u_product is made in its first variable's dtype: bfloat16 weights "
-                "would make it bfloat16")
+    if type(opt) not in OPTIMIZERS:
+        return (f"{type(opt).__name__}: only Adam's and AdamW's weights are stored in bfloat16 "
+                "(its moments can be)")
     if opt.use_ema:
         return "an exponential moving average (use_ema) averages in the weight dtype"
     if opt.gradient_accumulation_steps:
