@@ -285,23 +285,50 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
+class _Trace(keras.callbacks.Callback):
+    """Each epoch's end: the weights, the loss and the switch history (what
+    a failure of the resume test below reports: once, in a full CI run, the
+    resumed run ended elsewhere, and no rerun repeated it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs: dict[int, tuple] = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        policy = policy_of(self.model)
+        history = {path: [dict(e) for e in policy.record(path).get("history", [])]
+                   for path in sorted(policy.records)} if policy is not None else {}
+        self.epochs[epoch] = (_values(self.model), (logs or {}).get("loss"), history)
+
+
+def _first_difference(a: _Trace, b: _Trace) -> str:
+    for epoch in sorted(set(a.epochs) & set(b.epochs)):
+        (va, la, ha), (vb, lb, hb) = a.epochs[epoch], b.epochs[epoch]
+        if la != lb or ha != hb or any(not np.array_equal(x, y) for x, y in zip(va, vb)):
+            return (f"first difference at epoch {epoch}: loss {la} against {lb}; "
+                    f"histories {ha} against {hb}")
+    return "no difference at any epoch end both runs traced"
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_backup_and_restore_resumes_bit_for_bit(policy, tmp_path):
-    whole = _model(policy)
-    _fit(whole, epochs=4)
+    whole, traced = _model(policy), _Trace()
+    _fit(whole, epochs=4, callbacks=[traced])
     expected = _values(whole)
 
     keras.utils.clear_session(free_memory=False)
-    first = _model(policy)
+    first, before = _model(policy), _Trace()
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     with pytest.raises(RuntimeError, match="interrupted"):
-        _fit(first, epochs=4, callbacks=[backup, _Interrupt()])
+        _fit(first, epochs=4, callbacks=[backup, before, _Interrupt()])
     keras.utils.clear_session(free_memory=False)
-    resumed = _model(policy)  # a new process rebuilds the model from code
-    _fit(resumed, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+    resumed, after = _model(policy), _Trace()  # a new process rebuilds the model from code
+    _fit(resumed, epochs=4,
+         callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup")), after])
     assert _dtypes(resumed) == _dtypes(whole)
+    before.epochs.update(after.epochs)
     for a, b in zip(_values(resumed), expected):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, b, err_msg=_first_difference(before, traced))
 
 
 def test_only_adaptive_models_are_stored():
