@@ -15,6 +15,11 @@ The pairs (:data:`PAIRS`), keras-mp's mode against its control:
 * ``mixed_float16`` with every optimizer the test modules make wrapped in
   ``keras_mp.LossScaleOptimizer`` against the same wrapped in Keras's
   ``LossScaleOptimizer`` (``optimizers`` group);
+* ``adaptive_bfloat16`` with compact training state forced on
+  (``keras_mp.config.set_compact_weights(True)`` and
+  ``set_compact_moments(True)``: what a model training 2**24 parameters gets
+  by default, here for the suites' small models) against Keras
+  ``mixed_bfloat16``;
 * ``adaptive_float16`` as a user gets it against Keras ``mixed_float16``:
   the test modules' fits are too small to gain from 16 bits, so ``fit``
   trains their layers in float32 (:mod:`keras_mp.adaptive.decisions.gain`), and what
@@ -61,11 +66,13 @@ class Mode:
     keras_mp: bool       # keras-mp's set-up (else Keras's own)
     wrap: bool = False   # every optimizer wrapped in the mode's loss-scale optimizer
     every_fit: bool = True   # keras-mp adapts every fit (else: where it can gain)
+    compact: bool = False    # compact weights and moments forced on (else: by size)
 
 
 MODES = {
     "keras_mixed_bfloat16": Mode("mixed_bfloat16", False),
     "keras_mp_adaptive_bfloat16": Mode("adaptive_bfloat16", True),
+    "keras_mp_adaptive_bfloat16_compact": Mode("adaptive_bfloat16", True, compact=True),
     "keras_mixed_float16": Mode("mixed_float16", False),
     "keras_mp_adaptive_float16": Mode("adaptive_float16", True),
     "keras_lso_wrapped": Mode("mixed_float16", False, wrap=True),
@@ -76,11 +83,13 @@ MODES = {
 #: keras-mp's mode -> its control.
 PAIRS = {
     "keras_mp_adaptive_bfloat16": "keras_mixed_bfloat16",
+    "keras_mp_adaptive_bfloat16_compact": "keras_mixed_bfloat16",
     "keras_mp_adaptive_float16": "keras_mixed_float16",
     "keras_mp_lso_wrapped": "keras_lso_wrapped",
     "keras_mp_adaptive_as_is": "keras_mixed_float16",
 }
-_ADAPTIVE = ("keras_mp_adaptive_bfloat16", "keras_mp_adaptive_float16", "keras_mp_adaptive_as_is")
+_ADAPTIVE = ("keras_mp_adaptive_bfloat16", "keras_mp_adaptive_bfloat16_compact",
+             "keras_mp_adaptive_float16", "keras_mp_adaptive_as_is")
 
 #: Group -> Keras test files (globs under keras/src), and the pairs it runs.
 GROUPS = {

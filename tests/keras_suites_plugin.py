@@ -72,6 +72,8 @@ if _MODE.keras_mp and _MODE.policy.startswith("adaptive") and _MODE.every_fit:
 def _set_policy() -> None:
     if _MODE.keras_mp and _MODE.policy.startswith("adaptive"):
         autofit.set_min_saving(0 if _MODE.every_fit else gain.START_UP_S)
+        keras_mp.config.set_compact_weights(True if _MODE.compact else None)
+        keras_mp.config.set_compact_moments(True if _MODE.compact else None)
         keras_mp.set_global_policy(_MODE.policy)
     else:
         keras.config.set_dtype_policy(_MODE.policy)
