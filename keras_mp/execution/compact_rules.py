@@ -1,9 +1,17 @@
 """The float32 update rules of SGD with momentum, Adamax, Nadam and Lion over compact state.
 
-:mod:`keras_mp.execution.compact_update` stores an optimizer's moments (and
-trained weights) in bfloat16 and computes each update in float32: it reads
-the stored values, casts them to float32, applies the rule here and writes
-the results back rounded. This module holds the rules themselves, one small
+keras-mp stores an optimizer's moments in bfloat16
+(:mod:`keras_mp.adaptive.storage.moments`) and computes each update in
+float32: it reads the stored values, casts them to float32, applies the rule
+and writes the results back rounded (the rounding, the weight decay and the
+order of :mod:`keras_mp.execution.compact_update`; a weight stored in
+bfloat16 is written back dithered, though only Adam's and AdamW's weights
+are stored so, :mod:`keras_mp.adaptive.storage.trained`). :func:`update` is
+the entry (installed as ``update_step`` by
+:mod:`keras_mp.execution.native_update`), dispatching on the optimizer's
+exact class through :data:`UPDATES`: Adam and AdamW to
+:func:`keras_mp.execution.compact_update.adam`, the others to the rules
+here, XLA-compiled where Adam's update is. This module holds the rules, one small
 pure function per optimizer class, written as Keras 3.15's own
 ``update_step`` computes them in float32 (the same operations in the same
 order, the same float32 constants), so that the update from float32 values
@@ -48,7 +56,7 @@ import tensorflow as tf
 
 from keras_mp.execution import compact_update as cu
 
-__all__ = ["HALF_ULP", "RULES", "UPDATES", "Rule", "adamax", "densified", "dithers", "hyper", "lion",
+__all__ = ["HALF_ULP", "RULES", "UPDATES", "adamax", "densified", "dithers", "hyper", "lion",
            "nadam", "sgd", "update"]
 
 #: The largest half bfloat16 ulp relative to a value: a slot decaying by less
@@ -57,11 +65,23 @@ HALF_ULP = 2.0 ** -8
 _F32 = tf.float32
 
 
+def _float32(**tensors) -> None:
+    """Raises TypeError naming the first of ``tensors`` (the rules' gradient,
+    weight and slots) that is not a float32 tensor."""
+    for name, x in tensors.items():
+        if getattr(x, "dtype", None) != _F32:
+            raise TypeError(f"`{name}` must be a float32 tensor, got {x!r}.")
+
+
 def sgd(g, term, w, m, lr, momentum, nesterov):
     """SGD with momentum (Keras's ``SGD.update_step``, ``momentum != 0``)::
 
         m = m * momentum - g * lr
         w = w + (m * momentum - g * lr)   if nesterov   else   w + m
+
+    Raises:
+        TypeError: the gradient, its term, the weight or a slot is not a float32
+            tensor.
 
     Example:
         >>> import tensorflow as tf
@@ -69,6 +89,7 @@ def sgd(g, term, w, m, lr, momentum, nesterov):
         >>> [float(x[0]) for x in sgd(g, None, w, m, 0.5, 0.5, True)]
         [1.375, -0.25]
     """
+    _float32(g=g, w=w, m=m)
     m = m * momentum - g * lr
     return (w + (m * momentum - g * lr) if nesterov else w + m), m
 
@@ -80,6 +101,10 @@ def adamax(g, term, w, m, u, lr, one_minus_beta_1, beta_2, epsilon, one_minus_be
         u = max(beta_2 * u, |g|)
         w = w - lr * m / ((1 - beta_1 ** t) * (u + epsilon))
 
+    Raises:
+        TypeError: the gradient, its term, the weight or a slot is not a float32
+            tensor.
+
     Example:
         >>> import tensorflow as tf
         >>> g = tf.constant([-2.0])
@@ -87,6 +112,7 @@ def adamax(g, term, w, m, u, lr, one_minus_beta_1, beta_2, epsilon, one_minus_be
         >>> [float(x[0]) for x in adamax(g, tf.abs(g), z, z, z, 1.0, 0.5, 0.9, 0.0, 0.5)]
         [1.0, -1.0, 2.0]
     """
+    _float32(g=g, term=term, w=w, m=m, u=u)
     m = m + (g - m) * one_minus_beta_1
     u = tf.maximum(beta_2 * u, term)
     return w - (lr * m) / (one_minus_beta_1_power * (u + epsilon)), m, u
@@ -103,6 +129,10 @@ def nadam(g, term, w, m, v, lr, one_minus_beta_1, one_minus_beta_2, u_t_1, one_m
         m_hat = u_t+1 * m / (1 - product * u_t+1) + (1 - u_t) * g / (1 - product)
         w = w - m_hat * lr / (sqrt(v / (1 - beta_2 ** t)) + epsilon)
 
+    Raises:
+        TypeError: the gradient, its term, the weight or a slot is not a float32
+            tensor.
+
     Example:
         >>> import tensorflow as tf
         >>> g, z = tf.constant([1.0]), tf.constant([0.0])
@@ -110,6 +140,7 @@ def nadam(g, term, w, m, v, lr, one_minus_beta_1, one_minus_beta_2, u_t_1, one_m
         ...                             1.0, 1.0, 0.5, 0.0)]
         [-1.5, 0.5, 0.5]
     """
+    _float32(g=g, term=term, w=w, m=m, v=v)
     m = m + (g - m) * one_minus_beta_1
     v = v + (term - v) * one_minus_beta_2
     m_hat = (u_t_1 * m) / one_minus_product_1 + (one_minus_u_t * g) / one_minus_product
@@ -122,12 +153,17 @@ def lion(g, term, w, m, lr, beta_1, one_minus_beta_1, beta_2, one_minus_beta_2):
         w = w - lr * sign(m * beta_1 + g * (1 - beta_1))
         m = m * beta_2 + g * (1 - beta_2)
 
+    Raises:
+        TypeError: the gradient, its term, the weight or a slot is not a float32
+            tensor.
+
     Example:
         >>> import tensorflow as tf
         >>> g, w, m = tf.constant([1.0]), tf.constant([0.0]), tf.constant([-4.0])
         >>> [float(x[0]) for x in lion(g, None, w, m, 0.5, 0.5, 0.5, 0.5, 0.5)]
         [0.5, -1.5]
     """
+    _float32(g=g, w=w, m=m)
     return w - lr * tf.sign(m * beta_1 + g * one_minus_beta_1), m * beta_2 + g * one_minus_beta_2
 
 

@@ -144,7 +144,8 @@ def unsupported_reason(optimizer: Any, *, compact: bool = False) -> str | None:
             inner optimizer).
 
     Raises:
-        TypeError: ``optimizer`` is not a Keras optimizer.
+        TypeError: ``optimizer`` is not a Keras optimizer, or ``compact`` is
+            not a bool.
 
     Example:
         >>> import keras
@@ -153,6 +154,8 @@ def unsupported_reason(optimizer: Any, *, compact: bool = False) -> str | None:
         >>> unsupported_reason(keras.optimizers.RMSprop())
         'RMSprop has no native update kernel (Adam, AdamW, SGD have)'
     """
+    if not isinstance(compact, bool):
+        raise TypeError(f"`compact` must be True or False, got {compact!r}.")
     opt = optimizer_state.inner(optimizer)
     if type(opt) not in OPTIMIZERS and not (compact and type(opt) in compact_rules.UPDATES):
         names = ", ".join(cls.__name__ for cls in OPTIMIZERS)
@@ -190,7 +193,8 @@ def install(optimizer: Any, *, compact: bool = False) -> bool:
     own ``update_step`` for the variables it does not take).
 
     Raises:
-        TypeError: ``optimizer`` is not a Keras optimizer.
+        TypeError: ``optimizer`` is not a Keras optimizer, or ``compact`` is
+            not a bool.
     """
     opt = optimizer_state.inner(optimizer)
     if not is_installed(opt) and unsupported_reason(opt, compact=compact) is None:
