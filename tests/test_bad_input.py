@@ -36,7 +36,7 @@ from keras_mp.adaptive.storage import frozen, moments, trained, variables as sto
 from keras_mp import callbacks, datasets, device, distribute, execution, policies, tuning
 from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
-from keras_mp.execution import (compact_update, fused_update, native_update, optimizer_state,
+from keras_mp.execution import (compact_rules, compact_update, fused_update, native_update, optimizer_state,
                                  remat)
 from keras_mp.execution import step_trial
 from keras_mp.fused import layers, ops
@@ -63,7 +63,7 @@ MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain
            "callbacks", "cli", "cli.command", "cli.demo", "cli.deploy_demo", "config", "datasets",
            "deploy", "deploy.export", "deploy.quantization", "device", "device.capabilities",
            "device.memory", "device.xla", "distribute", "execution", "execution.fused_update",
-           "execution.compact_update", "execution.inference", "execution.native_update",
+           "execution.compact_rules", "execution.compact_update", "execution.inference", "execution.native_update",
            "execution.optimizer_state", "execution.reasons", "execution.remat",
            "execution.step_trial", "fused", "fused.fuse", "fused.layers", "fused.losses",
            "fused.metrics", "fused.ops", "fused.shared_matches", "policies", "scaling",
@@ -247,6 +247,25 @@ CASES = [
      "`optimizer`"),
     ("adaptive.storage.trained.exclude_decay", lambda: trained.exclude_decay("adamw"), TypeError,
      "`optimizer`"),
+    ("execution.compact_rules.update", lambda: compact_rules.update("adam", None, None, 1e-3),
+     TypeError, "`optimizer`"),
+    ("execution.compact_rules.dithers", lambda: compact_rules.dithers("adam"), TypeError,
+     "`optimizer`"),
+    ("execution.compact_rules.dithers", lambda: compact_rules.dithers(keras.optimizers.RMSprop()),
+     ValueError, "`optimizer`"),
+    ("execution.compact_rules.hyper", lambda: compact_rules.hyper(keras.optimizers.RMSprop(), 0.1),
+     ValueError, "`optimizer`"),
+    ("execution.compact_rules.densified",
+     lambda: compact_rules.densified(keras.optimizers.Lion(), [1.0]), TypeError, "`gradient`"),
+    ("execution.compact_rules.sgd", lambda: compact_rules.sgd(
+        None, None, tf.ones(2), tf.ones(2), 0.1, 0.9, False), TypeError, "`g`"),
+    ("execution.compact_rules.adamax", lambda: compact_rules.adamax(
+        tf.ones(2), tf.ones(2), tf.ones(2, tf.float16), tf.ones(2), tf.ones(2), 0.1, 0.1, 0.9,
+        1e-7, 0.1), TypeError, "`w`"),
+    ("execution.compact_rules.nadam", lambda: compact_rules.nadam(
+        tf.ones(2), tf.ones(2), tf.ones(2), None, tf.ones(2), *[0.5] * 9), TypeError, "`m`"),
+    ("execution.compact_rules.lion", lambda: compact_rules.lion(
+        tf.ones(2), None, tf.ones(2), np.ones(2), 0.1, 0.9, 0.1, 0.99, 0.01), TypeError, "`m`"),
     ("execution.compact_update.compact_weight",
      lambda: compact_update.compact_weight("adam", None), TypeError, "`optimizer`"),
     ("execution.compact_update.applies", lambda: compact_update.applies("adam", None), TypeError,
@@ -809,6 +828,11 @@ CASES = [
     ("device.xla.record_available", lambda: xla.record_available("QPU", True), ValueError,
      "`device_type`"),
     ("device.xla.record_available", lambda: xla.record_available("CPU", 1), TypeError, "`ok`"),
+    ("execution.native_update.install",
+     lambda: native_update.install(keras.optimizers.Adam(), compact=1), TypeError, "`compact`"),
+    ("execution.native_update.unsupported_reason",
+     lambda: native_update.unsupported_reason(keras.optimizers.Adam(), compact="yes"), TypeError,
+     "`compact`"),
     ("execution.native_update.install", lambda: native_update.install("adam"), TypeError,
      "`optimizer`"),
     ("execution.optimizer_state.inner", lambda: optimizer_state.inner("adam"), TypeError,

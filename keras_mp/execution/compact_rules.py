@@ -25,10 +25,15 @@ dispatches on (exact classes: a subclass may change ``update_step``). Per
 rule: the optimizer's slot lists (the attributes its ``build`` makes), the
 function, the scalars of a step (:func:`_sgd_hyper` and the like, as Keras
 computes them), the per-slice term of a sparse gradient, and per slot the
-hyperparameter it decays by. A slot decaying by less than 2**-8 a step (the
-largest half bfloat16 ulp relative to a value) would never decay when rounded
-to nearest (``x * 0.999`` rounds back to ``x``), so it is written with
-dithered rounding; Nadam's second moment always is, as Adam's.
+hyperparameter it decays by. A moving average ``m += (x - m) * (1 - beta)``
+rounded to nearest stops moving while its step is below half a bfloat16 ulp
+of ``m``, that is while its target ``x`` is within ``2**-9 / (1 - beta)`` of
+``m`` (relative): 2 % at ``beta = 0.9`` (Adam's first moment, rounded to
+nearest), 20 % at 0.99 (Lion's ``beta_2``), and at 0.999 it never decays
+(``x * 0.999`` rounds back to ``x``). So a slot whose ``1 - beta`` is below
+:data:`DITHER_BELOW` (2**-5: a band above 6 %) is written with dithered
+rounding (its expected value the float32 one), the others to nearest; Nadam's
+second moment always is, as Adam's.
 
 Sparse gradients (``tf.IndexedSlices``): Keras's ``update_step`` of these
 classes turns them dense in its first operation with a dense tensor, after
@@ -56,12 +61,13 @@ import tensorflow as tf
 
 from keras_mp.execution import compact_update as cu
 
-__all__ = ["HALF_ULP", "RULES", "UPDATES", "adamax", "densified", "dithers", "hyper", "lion",
+__all__ = ["DITHER_BELOW", "RULES", "UPDATES", "adamax", "densified", "dithers", "hyper", "lion",
            "nadam", "sgd", "update"]
 
-#: The largest half bfloat16 ulp relative to a value: a slot decaying by less
-#: a step is written with dithered rounding.
-HALF_ULP = 2.0 ** -8
+#: A slot whose moving average moves by less than this fraction of its
+#: distance to its target a step (``1 - beta``) is written with dithered
+#: rounding (the module's docstring).
+DITHER_BELOW = 2.0 ** -5
 _F32 = tf.float32
 
 
@@ -221,6 +227,8 @@ RULES: dict[type, Rule] = {
                                  ("beta_1", None)),
     keras.optimizers.Lion: Rule(cu.SLOTS[keras.optimizers.Lion], lion, _lion_hyper, None, ("beta_2",)),
 }
+
+
 def _rule(optimizer: Any) -> Rule:
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"`optimizer` must be a Keras optimizer, got {optimizer!r}.")
@@ -233,7 +241,7 @@ def _rule(optimizer: Any) -> Rule:
 
 def dithers(optimizer: Any) -> tuple[bool, ...]:
     """Per slot of ``optimizer``'s rule, whether it is written back with
-    dithered rounding (it decays by less than :data:`HALF_ULP` a step, or it
+    dithered rounding (its ``1 - beta`` is below :data:`DITHER_BELOW`, or it
     is a second moment); the others are rounded to nearest.
 
     Raises:
@@ -244,10 +252,10 @@ def dithers(optimizer: Any) -> tuple[bool, ...]:
         >>> import keras
         >>> dithers(keras.optimizers.Nadam()), dithers(keras.optimizers.Adamax())
         ((False, True), (False, True))
-        >>> dithers(keras.optimizers.SGD(momentum=0.9))
-        (False,)
+        >>> dithers(keras.optimizers.SGD(momentum=0.9)), dithers(keras.optimizers.Lion())
+        ((False,), (True,))
     """
-    return tuple(name is None or 1 - float(getattr(optimizer, name)) < HALF_ULP
+    return tuple(name is None or 1 - float(getattr(optimizer, name)) < DITHER_BELOW
                  for name in _rule(optimizer).decays)
 
 

@@ -96,3 +96,45 @@ def test_the_threshold_is_the_models_trained_parameters(monkeypatch):
         assert variables.stored_dtype(model.get_layer("head").kernel) == "float32"
     finally:
         keras_mp.config.set_compact_weights(None)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "lion"])
+def test_other_optimizers_moments_are_compact_only_when_asked(optimizer):
+    # By default only Adam's and AdamW's moments (the quality runs'); the
+    # others' with keras_mp.config.set_compact_moments(True).
+    def make():
+        return keras.optimizers.SGD(1e-2, momentum=0.9) if optimizer == "sgd_momentum" \
+            else keras.optimizers.Lion(1e-4)
+    rows = trained.AUTO_PARAMETERS // 256
+    model = _model("adaptive_bfloat16", rows)
+    model.compile(optimizer=make(), loss="mse")
+    _fit(model, rows)
+    slots = "momentums" if optimizer == "sgd_momentum" else "_momentums"
+    opt = model.optimizer.inner_optimizer
+    assert {variables.stored_dtype(s) for s in getattr(opt, slots)} == {"float32"}
+    assert variables.stored_dtype(model.get_layer("table").embeddings) == "float32"
+    keras_mp.config.set_compact_moments(True)
+    try:
+        model.compile(optimizer=make(), loss="mse")
+        history = _fit(model, rows)
+    finally:
+        keras_mp.config.set_compact_moments(None)
+    assert np.isfinite(history.history["loss"]).all()
+    assert {variables.stored_dtype(s) for s in getattr(model.optimizer.inner_optimizer, slots)} \
+        == {"bfloat16"}
+
+
+def test_a_fit_too_small_to_gain_keeps_float32_moments():
+    # The fit trains in float32 (no_gain): its moments are decided after that,
+    # float32 as for any layer computing in float32 (they were bfloat16 when
+    # decided before the layers' dtypes for the fit were set).
+    keras_mp.config.set_min_saving(1e9)
+    rows = trained.AUTO_PARAMETERS // 256
+    model = _model("adaptive_bfloat16", rows)
+    _fit(model, rows)
+    table = model.get_layer("table")
+    assert table.compute_dtype == "float32"
+    rows_ = {r["layer"]: r for r in keras_mp.precision_report(model).to_dict()["layers"]}
+    assert [h["reason"] for h in rows_["net/table"]["history"]] == ["no_gain"], rows_
+    assert variables.stored_dtype(table.embeddings) == "float32"
+    assert _moments(model, table.embeddings) == {"float32"}

@@ -160,11 +160,13 @@ def _guarded(model: keras.Model, policy, callbacks, given: list, by_hand):
 
 def _stored(model: keras.Model, layers, restore_only: bool) -> None:
     """Each weight stored as :mod:`keras_mp.adaptive.storage.frozen` decides,
-    and, first (before anything of the fit builds the optimizer), its
-    moments as :mod:`~keras_mp.adaptive.storage.moments` does; functions
-    traced with a variable stored anew are traced again."""
+    and, once the layers' dtypes for the fit are set (a small fit's
+    ``no_gain`` puts them in float32, whose moments stay float32) and
+    before anything of the fit builds the optimizer, its moments as
+    :mod:`~keras_mp.adaptive.storage.moments` does; functions traced with a
+    variable stored anew are traced again."""
     changed = frozen.apply(model, layers, restore_only=restore_only)
-    if restore_only and moments.apply(model):
+    if not restore_only and moments.apply(model):
         changed = True
     if changed:
         model.train_function = model.test_function = model.predict_function = None

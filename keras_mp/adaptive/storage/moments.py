@@ -42,7 +42,9 @@ ended within 1 % of float32's loss on five of six figures (one +1.13 %);
 in a small one they save little, and
 each compiled update costs start-up. A layer computing in float32 (a
 float32-only CPU, a promoted layer) keeps float32 moments by default: its
-update stays TensorFlow's fused kernel. The per-variable statistic the issue
+update stays TensorFlow's fused kernel. The other optimizers' moments
+(SGD with momentum, Adamax, Nadam, Lion) are compact only where the switch is
+True: the quality runs trained with AdamW. The per-variable statistic the issue
 asks for (the probe comparing the update from compact moments with the
 float32 one) is not built; the rule is the model's size.
 
@@ -76,10 +78,14 @@ from keras_mp.adaptive.storage import trained
 from keras_mp.adaptive.storage import variables as storage_vars
 from keras_mp.execution import compact_update, native_update, optimizer_state
 
-__all__ = ["SLOTS", "apply", "enabled", "set_enabled", "unsupported_reason"]
+__all__ = ["DEFAULT_OPTIMIZERS", "SLOTS", "apply", "enabled", "set_enabled", "unsupported_reason"]
 
 #: The optimizer classes whose moments can be compact, and their slot lists.
 SLOTS: dict[type, tuple[str, ...]] = compact_update.SLOTS
+#: The optimizer classes whose moments are compact by default (the setting
+#: None, in a large model): those of the quality runs; the others of
+#: :data:`SLOTS` with ``keras_mp.config.set_compact_moments(True)``.
+DEFAULT_OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Adam, keras.optimizers.AdamW)
 _RECORD, _OVERRIDE = "storage", "storage_override"
 # The names the classes' ``build`` gives their slots (Adamax's u: "norm").
 _SLOT_NAMES = ("momentum", "velocity", "norm")
@@ -125,10 +131,12 @@ def _owners(model: keras.Model) -> dict[int, tuple[Any, str, bool]]:
     """id(variable) -> (record, variable name, whether the moments are
     compact) for the controlled layers' weights, as the setting decides for
     ``model``: True, all of them; None, those of layers computing in 16 bits
-    where the model is large."""
+    where the model is large and its optimizer one of :data:`DEFAULT_OPTIMIZERS`."""
     policy = policy_of(model)
     setting = _state["enabled"]
-    on = trained.on(setting, model)
+    # By default only where the quality runs were made: Adam's and AdamW's.
+    on = trained.on(setting, model) and (setting is True or type(
+        optimizer_state.inner(model.optimizer)) in DEFAULT_OPTIMIZERS)
     return {id(v): (policy.record(layer.path), v.name,
                     on and (setting is True or layer.compute_dtype in ("bfloat16", "float16")))
             for layer in adaptive_layers(model, policy) for v in layer._trainable_variables}
