@@ -102,9 +102,21 @@ def dtype_tiny(dtype: str) -> float:
 
 def floating_tensors(structure) -> list[tf.Tensor]:
     """The floating-point tensors in a nested structure (others are skipped:
-    integer ids, masks, strings, None)."""
+    integer ids, masks, strings, None); of a ragged or sparse tensor its
+    values (an ``Embedding`` of ragged ids returns a ``tf.RaggedTensor``).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> ragged = tf.ragged.constant([[1.0, -4.0], [2.0]])
+        >>> [t.shape.as_list() for t in floating_tensors({"x": ragged, "ids": tf.ones(2, tf.int32)})]
+        [[3]]
+    """
     out = []
     for x in keras.tree.flatten(structure):
+        if isinstance(x, tf.RaggedTensor):
+            x = x.flat_values
+        elif isinstance(x, tf.SparseTensor):
+            x = x.values
         if isinstance(x, (tf.Tensor, tf.Variable)) or keras.ops.is_tensor(x):
             if x.dtype.is_floating:
                 out.append(x)
