@@ -160,13 +160,16 @@ def _guarded(model: keras.Model, policy, callbacks, given: list, by_hand):
 
 def _stored(model: keras.Model, layers, restore_only: bool) -> None:
     """Each weight stored as :mod:`keras_mp.adaptive.storage.frozen` decides,
-    and, once the layers' dtypes for the fit are set (a small fit's
-    ``no_gain`` puts them in float32, whose moments stay float32) and
-    before anything of the fit builds the optimizer, its moments as
-    :mod:`~keras_mp.adaptive.storage.moments` does; functions traced with a
-    variable stored anew are traced again."""
+    and its moments as :mod:`~keras_mp.adaptive.storage.moments` does: first
+    before anything of the fit builds the optimizer (its slots are then made
+    in the dtype decided, never in float32 first: the Llama of
+    ``benchmarks/llm_memory.py`` peaked 120-160 MiB higher where they were
+    converted after the build), and again once the layers' dtypes for the
+    fit are set (a small fit's ``no_gain`` puts them in float32, whose
+    moments are float32: stored anew). Functions traced with a variable
+    stored anew are traced again."""
     changed = frozen.apply(model, layers, restore_only=restore_only)
-    if not restore_only and moments.apply(model):
+    if moments.apply(model):
         changed = True
     if changed:
         model.train_function = model.test_function = model.predict_function = None
