@@ -138,3 +138,25 @@ def test_a_fit_too_small_to_gain_keeps_float32_moments():
     assert [h["reason"] for h in rows_["net/table"]["history"]] == ["no_gain"], rows_
     assert variables.stored_dtype(table.embeddings) == "float32"
     assert _moments(model, table.embeddings) == {"float32"}
+
+
+def test_compact_moments_are_made_in_bfloat16_never_converted(monkeypatch):
+    # Slots made in float32 and converted after the optimizer's build leave
+    # their float32 memory in TensorFlow's allocator (the Llama of
+    # benchmarks/llm_memory.py peaked 120-160 MiB higher).
+    from keras.src.optimizers import base_optimizer
+
+    made = []
+    original = base_optimizer.BaseOptimizer.add_variable_from_reference
+
+    def recording(self, reference_variable, name=None, initializer="zeros"):
+        slot = original(self, reference_variable, name=name, initializer=initializer)
+        made.append((name, variables.stored_dtype(slot)))
+        return slot
+
+    monkeypatch.setattr(base_optimizer.BaseOptimizer, "add_variable_from_reference", recording)
+    rows = trained.AUTO_PARAMETERS // 256
+    model = _model("adaptive_bfloat16", rows)
+    _fit(model, rows)
+    assert _moments(model, model.get_layer("table").embeddings) == {"bfloat16"}
+    assert made and {dtype for _, dtype in made} == {"bfloat16"}, made
