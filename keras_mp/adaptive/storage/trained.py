@@ -39,9 +39,11 @@ an exponential moving average, gradient accumulation or a distribution
 strategy (:func:`unsupported_reason`); the moments stay float32 unless
 :func:`keras_mp.config.set_compact_moments` stores them in bfloat16 too (by
 default it does in the same models). Measured on the 99.5M-parameter Llama
-of ``benchmarks/llm_memory.py`` (docs/benchmarks.md): 9 bytes of training
-state a parameter instead of 16, its full fine-tune's peak 0.74x Keras
-float32's and its step as fast as Keras ``mixed_bfloat16``'s.
+of ``benchmarks/llm_memory.py`` (docs/benchmarks.md; its logits kernel, read
+as a float32 value, stored so too: :func:`keras_mp.adaptive.storage.frozen.read_by_cast`):
+8 bytes of training state a parameter instead of 16, its full fine-tune's
+peak 0.71x Keras float32's and its step 0.92x Keras ``mixed_bfloat16``'s
+CPU time (five rounds, 2-core AMD EPYC with AVX512-BF16).
 
 Example:
     >>> import keras
