@@ -232,6 +232,21 @@ def _other_slots(model) -> list:
 
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
+def test_a_nan_batch_leaves_other_optimizers_compact_state_as_it_was(name, compact):
+    model = _model("adaptive", OTHERS[name]())
+    _fit(model)
+    before = [np.asarray(v.numpy()).astype("float32")
+              for v in [*model.weights, *_other_slots(model)]]
+    x = np.full((16, 8), np.nan, "float32")
+    model.fit(x, np.zeros((16, 1), "float32"), batch_size=16, verbose=0)   # one skipped step
+    after = [np.asarray(v.numpy()).astype("float32")
+             for v in [*model.weights, *_other_slots(model)]]
+    assert {variables.stored_dtype(s) for s in _other_slots(model)} == {"bfloat16"}
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(OTHERS))
 def test_other_optimizers_train_on_compact_moments(name, compact, tmp_path):
     """Slots in bfloat16 after fit, the loss falling, the report saying so, a
     seeded fit repeated bit for bit and a .keras file carrying the state."""

@@ -369,6 +369,44 @@ def test_a_logits_kernel_read_in_float32_trains_compactly(tie_weights, reverse_d
         assert (entry["dtype"], entry["reason"]) == ("float32", "read_in_float32")
 
 
+@pytest.mark.measured_execution   # the execution mode keras-mp picks here, as a user gets it
+@pytest.mark.parametrize("global_policy", ["float32", "mixed_float16"])
+def test_a_compact_logits_kernel_saves_loads_exports_and_quantizes(global_policy, compact,
+                                                                    tmp_path):
+    with keras_mp.policy_scope("adaptive_bfloat16"):
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((4,), dtype="int32")
+        table = keras.layers.ReversibleEmbedding(32, 8, tie_weights=False, name="table")
+        model = keras.Model(ids, table(keras.layers.Dense(8, name="mix")(table(ids)),
+                                       reverse=True))
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss=keras.losses.
+                  SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).integers(0, 32, (64, 4)).astype("int32")
+    model.fit(x, x, batch_size=16, epochs=2, verbose=0)
+    assert variables.stored_dtype(table.reverse_embeddings) == "bfloat16"
+    expected = np.asarray(model.predict(x[:8], verbose=0)).astype("float32")
+    computes = {layer.name: layer.compute_dtype for layer in model.layers[1:]}  # not the input
+    model.save(tmp_path / "m.keras")
+    keras.mixed_precision.set_global_policy(global_policy)   # reset by conftest
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    # Loaded with the saved compute dtypes and values (variables float32 until
+    # its next fit stores them again).
+    assert {layer.name: layer.compute_dtype for layer in loaded.layers[1:]} == computes
+    np.testing.assert_array_equal(
+        np.asarray(loaded.predict(x[:8], verbose=0)).astype("float32"), expected)
+    model.export(str(tmp_path / "saved"), verbose=False)
+    reloaded = tf.saved_model.load(str(tmp_path / "saved"))   # kept: it owns the variables
+    np.testing.assert_allclose(np.asarray(reloaded.serve(tf.constant(x[:8]))).astype("float32"),
+                               expected, atol=1e-6)
+    loaded.fit(x, x, batch_size=16, epochs=1, verbose=0)
+    assert variables.stored_dtype(loaded.get_layer("table").reverse_embeddings) == "bfloat16"
+    expected = np.asarray(loaded.predict(x[:8], verbose=0)).astype("float32")
+    keras_mp.quantize(loaded, "int8")   # Keras's own refuses a float16 model (mixed_float16)
+    quantized = np.asarray(loaded.predict(x[:8], verbose=0)).astype("float32")
+    assert np.isfinite(quantized).all()
+    assert np.abs(quantized - expected).max() < 0.1 * (np.abs(expected).max() + 1e-3)
+
+
 def test_a_tied_logits_kernel_read_by_a_transpose_stays_float32(compact):
     # Tied, with ``reverse_dtype=None``, the logits take the table's dtype
     # through its transpose: a bfloat16 table would make them bfloat16.
