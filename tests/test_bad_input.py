@@ -266,6 +266,8 @@ CASES = [
         tf.ones(2), tf.ones(2), tf.ones(2), None, tf.ones(2), *[0.5] * 9), TypeError, "`m`"),
     ("execution.compact_rules.lion", lambda: compact_rules.lion(
         tf.ones(2), None, tf.ones(2), np.ones(2), 0.1, 0.9, 0.1, 0.99, 0.01), TypeError, "`m`"),
+    ("execution.compact_update.weight_back", lambda: compact_update.weight_back(
+        tf.ones(2), tf.ones(2), "yes", None), TypeError, "`compact`"),
     ("execution.compact_update.compact_weight",
      lambda: compact_update.compact_weight("adam", None), TypeError, "`optimizer`"),
     ("execution.compact_update.applies", lambda: compact_update.applies("adam", None), TypeError,

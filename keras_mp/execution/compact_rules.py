@@ -224,12 +224,14 @@ class Rule(NamedTuple):
 
 #: The rules, by exact optimizer class.
 RULES: dict[type, Rule] = {
-    keras.optimizers.SGD: Rule(cu.SLOTS[keras.optimizers.SGD], sgd, _sgd_hyper, None, ("momentum",)),
+    keras.optimizers.SGD: Rule(cu.SLOTS[keras.optimizers.SGD], sgd, _sgd_hyper, None,
+                               ("momentum",)),
     keras.optimizers.Adamax: Rule(cu.SLOTS[keras.optimizers.Adamax], adamax, _adamax_hyper, tf.abs,
                                   ("beta_1", "beta_2")),
     keras.optimizers.Nadam: Rule(cu.SLOTS[keras.optimizers.Nadam], nadam, _nadam_hyper, tf.square,
                                  ("beta_1", None)),
-    keras.optimizers.Lion: Rule(cu.SLOTS[keras.optimizers.Lion], lion, _lion_hyper, None, ("beta_2",)),
+    keras.optimizers.Lion: Rule(cu.SLOTS[keras.optimizers.Lion], lion, _lion_hyper, None,
+                                ("beta_2",)),
 }
 
 
@@ -314,10 +316,7 @@ def _ops(name, dithers, g, term, w, slots, hyper, decay, step, index, compiled):
 
     def numbers(salt):
         return cu.dither(tf.shape(w), step, index, salt, compiled=compiled)
-    compact = w.dtype != f32
-    lost = cu.below_half_ulp(old, new) if compact else tf.constant(float("nan"))
-    if compact:
-        new = cu.dithered(new, numbers(cu.WEIGHT_SALT))
+    new, lost = cu.weight_back(old, new, w.dtype != f32, numbers)
     moved = [x if s.dtype == f32 else cu.dithered(x, numbers(_SLOT_SALTS[j])) if d
              else tf.cast(x, s.dtype) for j, (s, x, d) in enumerate(zip(slots, moved, dithers))]
     return [new, *moved, lost]

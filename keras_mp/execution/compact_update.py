@@ -89,7 +89,7 @@ from keras_mp.device import xla
 
 __all__ = ["MOMENT_DTYPE", "SLOTS", "STATISTICS", "WEIGHTS", "WEIGHT_SALT", "adam", "applies",
            "below_half_ulp", "compact_weight", "compiled", "dither", "dithered", "keep_statistics",
-           "statistic"]
+           "statistic", "weight_back"]
 
 #: The dtype compact moments are stored in.
 MOMENT_DTYPE = tf.bfloat16
@@ -190,13 +190,34 @@ def _math(g, squared, w, m, v, alpha, beta_1, beta_2, epsilon, decay, numbers):
         squared = tf.square(g) if squared is None else squared
         m32 = m32 + (g - m32) * (1.0 - beta_1)
         v32 = v32 + (squared - v32) * (1.0 - beta_2)
-    new = w - alpha * m32 / (tf.sqrt(v32) + epsilon)
-    lost = below_half_ulp(old, new) if compact else tf.constant(float("nan"))
-    if compact:
-        new = dithered(new, numbers(WEIGHT_SALT))
+    new, lost = weight_back(old, w - alpha * m32 / (tf.sqrt(v32) + epsilon), compact, numbers)
     if v.dtype != f32:
         v32 = dithered(v32, numbers(0))
     return new, tf.cast(m32, m.dtype), v32, lost
+
+
+def weight_back(old: tf.Tensor, new: tf.Tensor, compact: bool, numbers) -> tuple:
+    """A weight's new float32 value as it is stored, and its update-to-ulp
+    statistic: for a bfloat16 weight (``compact``) dithered with
+    ``numbers(WEIGHT_SALT)`` and :func:`below_half_ulp` of the update; else
+    as it is, and NaN (no statistic). Shared by every compact update.
+
+    Raises:
+        TypeError: ``compact`` is not a bool.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> def numbers(salt):
+        ...     return tf.zeros(4, tf.int32)
+        >>> new, lost = weight_back(tf.ones(4), tf.ones(4) * 1.5, True, numbers)
+        >>> new.dtype.name, float(lost)
+        ('bfloat16', 0.0)
+    """
+    if not isinstance(compact, bool):
+        raise TypeError(f"`compact` must be True or False, got {compact!r}.")
+    if not compact:
+        return new, tf.constant(float("nan"))
+    return dithered(new, numbers(WEIGHT_SALT)), below_half_ulp(old, new)
 
 
 def below_half_ulp(old: tf.Tensor, new: tf.Tensor) -> tf.Tensor:

@@ -108,7 +108,8 @@ def floating_tensors(structure) -> list[tf.Tensor]:
     Example:
         >>> import tensorflow as tf
         >>> ragged = tf.ragged.constant([[1.0, -4.0], [2.0]])
-        >>> [t.shape.as_list() for t in floating_tensors({"x": ragged, "ids": tf.ones(2, tf.int32)})]
+        >>> found = floating_tensors({"x": ragged, "ids": tf.ones(2, tf.int32)})
+        >>> [t.shape.as_list() for t in found]
         [[3]]
     """
     out = []
