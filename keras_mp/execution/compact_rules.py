@@ -4,9 +4,15 @@ keras-mp stores an optimizer's moments in bfloat16
 (:mod:`keras_mp.adaptive.storage.moments`) and computes each update in
 float32: it reads the stored values, casts them to float32, applies the rule
 and writes the results back rounded (the rounding, the weight decay and the
-order of :mod:`keras_mp.execution.compact_update`; a weight stored in
-bfloat16 is written back dithered, though only Adam's and AdamW's weights
-are stored so, :mod:`keras_mp.adaptive.storage.trained`). :func:`update` is
+order of :mod:`keras_mp.execution.compact_update`). A weight stored in
+bfloat16 (:mod:`keras_mp.adaptive.storage.trained`: by default only Adam's
+and AdamW's, these optimizers' with
+``keras_mp.config.set_compact_weights(True)``) is read in float32, any Keras
+``weight_decay`` applied to it there (Keras's own, in the weight's dtype, is
+left out), and written back with stochastic rounding, its update-to-ulp
+statistic kept (:func:`keras_mp.execution.compact_update.weight_back`, as
+Adam's). Nadam's ``_u_product`` stays float32 (Keras's ``build`` would make
+it in the first weight's dtype). :func:`update` is
 the entry (installed as ``update_step`` by
 :mod:`keras_mp.execution.native_update`), dispatching on the optimizer's
 exact class through :data:`UPDATES`: Adam and AdamW to

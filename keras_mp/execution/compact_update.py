@@ -55,9 +55,11 @@ weights and moments peaked at 2576 MiB instead of 2970-3028, 0.74x Keras
 float32's, and its step took 0.62 s instead of 1.49 (Keras
 ``mixed_bfloat16``: 0.68 s; docs/benchmarks.md).
 
-The slots of SGD with momentum, Adamax, Nadam and Lion (:data:`SLOTS`) are
-updated by the rules of :mod:`keras_mp.execution.compact_rules`, with this
-module's rounding, decay and one-variable-at-a-time order.
+The slots and weights of SGD with momentum, Adamax, Nadam and Lion
+(:data:`SLOTS`) are updated by the rules of
+:mod:`keras_mp.execution.compact_rules`, with this module's rounding
+(:func:`weight_back` for a bfloat16 weight), decay and
+one-variable-at-a-time order.
 
 Measured (100M parameters in 4 variables, median of 5 updates, process CPU
 time, 2-core AMD EPYC with AVX512-BF16 under load, TF 2.21): ``ResourceApplyAdam``
@@ -296,7 +298,8 @@ def _holds(optimizer: Any, variable: Any) -> tuple[int, Any] | None:
 def compact_weight(optimizer: Any, variable: Any) -> bool:
     """Whether ``variable`` is a weight ``optimizer`` trains that
     :mod:`keras_mp.adaptive.storage.trained` stored in bfloat16 (its update
-    is :func:`adam`'s, its weight decay applied there in float32).
+    is :func:`adam`'s or a rule of :mod:`keras_mp.execution.compact_rules`,
+    its weight decay applied there in float32).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer.

@@ -146,7 +146,9 @@ def test_no_bfloat16_compute_no_compact_weights(policy, compact):
 
 
 @pytest.mark.parametrize("optimizer,reason", [
-    (lambda: keras.optimizers.SGD(1e-2, momentum=0.9), "SGD"),
+    (lambda: keras.optimizers.SGD(1e-2), "without momentum"),
+    (lambda: keras.optimizers.RMSprop(1e-2), "RMSprop"),
+    (lambda: keras.optimizers.Lion(1e-3, use_ema=True), "use_ema"),
     (lambda: keras.optimizers.Adam(1e-2, use_ema=True), "use_ema"),
     (lambda: keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2), "accumulation"),
 ])

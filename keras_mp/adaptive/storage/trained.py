@@ -33,12 +33,21 @@ does a frozen one (reason ``"trains_compact"``): bfloat16 where its layer
 computes in bfloat16 and reads it so, no override keeps it in float32, and the
 cast loses no more than a rounding. A layer that computes in float32 (a
 promotion) has its weights in float32 again at the next ``fit``, exactly
-(the bfloat16 value). It applies where the optimizer is an exact
-``keras.optimizers.Adam`` or ``AdamW`` (the update above), without AMSGrad,
-an exponential moving average, gradient accumulation or a distribution
-strategy (:func:`unsupported_reason`); the moments stay float32 unless
-:func:`keras_mp.config.set_compact_moments` stores them in bfloat16 too (by
-default it does in the same models). Measured on the 99.5M-parameter Llama
+(the bfloat16 value). By default it applies where the optimizer is an exact
+``keras.optimizers.Adam`` or ``AdamW`` (the update above;
+:data:`DEFAULT_OPTIMIZERS`); with the setting True also to an exact ``SGD``
+with momentum, ``Adamax``, ``Nadam`` or ``Lion`` (:data:`OPTIMIZERS`), whose
+update is the float32 rule of :mod:`keras_mp.execution.compact_rules` from
+the weight's float32 value, any Keras ``weight_decay`` applied there in
+float32 first, the weight written back the same way (dithered, its
+update-to-ulp statistic kept; Nadam's ``_u_product`` kept float32). Not with
+AMSGrad, an exponential moving average, gradient accumulation or a
+distribution strategy (:func:`unsupported_reason`). The moments stay float32
+unless :func:`keras_mp.config.set_compact_moments` stores them in bfloat16
+too (by default it does in the same models, Adam's and AdamW's). The other
+optimizers' compact weights are opt-in as their moments are: the default's
+quality runs trained with AdamW; those of SGD with momentum and Lion with
+compact weights are in docs/benchmarks.md. Measured on the 99.5M-parameter Llama
 of ``benchmarks/llm_memory.py`` (docs/benchmarks.md; its logits kernel, read
 as a float32 value, stored so too: :func:`keras_mp.adaptive.storage.frozen.read_by_cast`):
 8 bytes of training state a parameter instead of 16, its full fine-tune's
@@ -53,6 +62,7 @@ Example:
     16777216
     >>> trained.unsupported_reason(keras.optimizers.AdamW(use_ema=True))
     'an exponential moving average (use_ema) averages in the weight dtype'
+    >>> trained.unsupported_reason(keras.optimizers.Nadam())   # opt-in: set_enabled(True)
 """
 
 from __future__ import annotations
@@ -67,18 +77,28 @@ from keras_mp import _installed
 from keras_mp.adaptive.storage import variables as storage_vars
 from keras_mp.execution import compact_update, native_update, optimizer_state
 
-__all__ = ["AUTO_PARAMETERS", "OPTIMIZERS", "adam_reason", "allowed", "enabled", "exclude_decay",
-           "large", "mark", "on", "set_enabled", "unsupported_reason"]
+__all__ = ["AUTO_PARAMETERS", "DEFAULT_OPTIMIZERS", "OPTIMIZERS", "adam_reason", "allowed",
+           "enabled", "exclude_decay", "large", "mark", "on", "set_enabled",
+           "unsupported_reason"]
 
-#: The optimizer classes whose update runs over bfloat16 weights (the
-#: moments of more can be compact: :func:`adam_reason`).
-OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Adam, keras.optimizers.AdamW)
+#: The optimizer classes (exact) whose update runs over bfloat16 weights:
+#: Adam's and AdamW's (:func:`keras_mp.execution.compact_update.adam`), and
+#: SGD with momentum's, Adamax's, Nadam's and Lion's
+#: (:mod:`keras_mp.execution.compact_rules`).
+OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Adam, keras.optimizers.AdamW,
+                                keras.optimizers.SGD, keras.optimizers.Adamax,
+                                keras.optimizers.Nadam, keras.optimizers.Lion)
+#: The classes whose weights are compact by default (the setting None, in a
+#: large model): those of the default's quality runs. The others of
+#: :data:`OPTIMIZERS` only with ``keras_mp.config.set_compact_weights(True)``.
+DEFAULT_OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Adam, keras.optimizers.AdamW)
 #: By default (the setting None) weights and moments are stored compactly in
 #: a model that trains at least this many parameters (2**24: 16.8 million,
 #: 128 MiB of training state saved at 8 bytes a parameter); below it the
 #: saving is small and each compiled update costs start-up.
 AUTO_PARAMETERS = 2 ** 24
 _DECAY = "_use_weight_decay"
+_BUILD = "build"
 _state: dict[str, bool | None] = {"enabled": None}
 
 
@@ -155,16 +175,21 @@ def adam_reason(optimizer: Any) -> str | None:
 
 def unsupported_reason(optimizer: Any) -> str | None:
     """Why ``optimizer`` keeps its trained weights in float32 (None when they
-    can be bfloat16): :func:`adam_reason`, a class other than Adam and AdamW
-    (:data:`OPTIMIZERS`; the update of SGD with momentum, Adamax and Lion in
-    :mod:`keras_mp.execution.compact_rules` takes a bfloat16 weight, but
-    their compact weights are not turned on; Nadam's ``_u_product`` would
-    take the first weight's dtype), and Keras's own per-variable
-    state that copies the weight's dtype (an exponential moving average,
-    gradient accumulators).
+    can be bfloat16): :func:`adam_reason` (a class not in :data:`OPTIMIZERS`,
+    AMSGrad, SGD without momentum, a distribution strategy), and Keras's own
+    per-variable state that copies the weight's dtype (an exponential moving
+    average, gradient accumulators). Whether they are bfloat16 by default is
+    :func:`allowed`'s (only Adam's and AdamW's, :data:`DEFAULT_OPTIMIZERS`).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer.
+
+    Example:
+        >>> import keras
+        >>> unsupported_reason(keras.optimizers.Lion()) is None
+        True
+        >>> unsupported_reason(keras.optimizers.SGD(momentum=0.0))
+        "SGD without momentum keeps no moments: its update is TensorFlow's kernel"
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"`optimizer` must be a Keras optimizer, got {optimizer!r}.")
@@ -172,9 +197,8 @@ def unsupported_reason(optimizer: Any) -> str | None:
     if reason is not None:
         return reason
     opt = optimizer_state.inner(optimizer)
-    if type(opt) not in OPTIMIZERS:
-        return (f"{type(opt).__name__}: only Adam's and AdamW's weights are stored in bfloat16 "
-                "(its moments can be)")
+    if type(opt) not in OPTIMIZERS:   # never: adam_reason's classes are these
+        return f"{type(opt).__name__}: its weights are not stored in bfloat16"
     if opt.use_ema:
         return "an exponential moving average (use_ema) averages in the weight dtype"
     if opt.gradient_accumulation_steps:
@@ -184,7 +208,9 @@ def unsupported_reason(optimizer: Any) -> str | None:
 
 def allowed(model: Any) -> bool:
     """Whether ``model``'s trained weights may be stored in bfloat16 now: the
-    setting says so for it (:func:`on`) and its optimizer is supported.
+    setting says so for it (:func:`on`; where it is None, the default, only
+    with an optimizer of :data:`DEFAULT_OPTIMIZERS`) and its optimizer is
+    supported (:func:`unsupported_reason`).
 
     Raises:
         TypeError: ``model`` is not a Keras model.
@@ -193,8 +219,10 @@ def allowed(model: Any) -> bool:
         raise TypeError(f"`model` must be a Keras model, got {model!r} of type "
                         f"{type(model).__name__}.")
     optimizer = getattr(model, "optimizer", None)
-    return optimizer is not None and on(_state["enabled"], model) \
-        and unsupported_reason(optimizer) is None
+    setting = _state["enabled"]
+    return optimizer is not None and on(setting, model) \
+        and unsupported_reason(optimizer) is None \
+        and (setting is True or type(optimizer_state.inner(optimizer)) in DEFAULT_OPTIMIZERS)
 
 
 def _without_compact(opt, original):
@@ -204,8 +232,10 @@ def _without_compact(opt, original):
 
 
 def exclude_decay(optimizer: Any) -> None:
-    """Leaves AdamW's weight decay of every variable whose update is
-    :func:`keras_mp.execution.compact_update.adam`'s to that update, which
+    """Leaves the weight decay (Keras's ``weight_decay`` argument, of any
+    optimizer: AdamW's, SGD's, Lion's ...) of every variable whose update
+    keras-mp computes over compact state
+    (:func:`keras_mp.execution.compact_update.applies`) to that update, which
     applies it in float32 within its one pass: Keras's own (``variable *
     wd * lr`` in the variable's dtype, before the update) is below half a
     bfloat16 ulp of a bfloat16 weight, and of a float32 one it makes a
@@ -222,6 +252,23 @@ def exclude_decay(optimizer: Any) -> None:
                                   lambda original: _without_compact(optimizer, original))
 
 
+def _product_in_float32(opt) -> None:
+    """Nadam's ``_u_product`` (the momentum schedule's running product, a
+    scalar) in float32: Keras's ``build`` makes it in the first weight's
+    dtype, bfloat16 for a compact weight, where each step's product would be
+    rounded to 8 bits."""
+    product = getattr(opt, "_u_product", None)
+    if isinstance(product, keras.Variable) and storage_vars.stored_dtype(product) != "float32":
+        storage_vars.store_as(product, "float32")
+
+
+def _build_then_product(opt, original):
+    def build(var_list):
+        original(var_list)
+        _product_in_float32(opt)
+    return build
+
+
 def _rekey(opt) -> None:
     """Keras indexes an optimizer's variables by their TensorFlow variable;
     a variable stored anew has a new one."""
@@ -235,8 +282,10 @@ def mark(optimizer: Any, compact: list | None, restored: bool) -> None:
     """After a model's weights were stored as decided: tells its
     ``optimizer`` (None: nothing to tell) which trained weights are stored in
     bfloat16 (``compact``, the variables, or None to leave that as it is;
-    their update is :func:`keras_mp.execution.compact_update.adam`), installs
-    that update and the decay's exclusion, and, where a trained variable was
+    their update is :func:`keras_mp.execution.compact_update.adam` or
+    :func:`keras_mp.execution.compact_rules.update`'s rule), installs that
+    update and the decay's exclusion (a Nadam's ``_u_product`` kept float32,
+    also where its ``build`` comes later), and, where a trained variable was
     stored anew (``restored``), indexes the optimizer's variables again.
 
     Raises:
@@ -254,6 +303,11 @@ def mark(optimizer: Any, compact: list | None, restored: bool) -> None:
     if ids:
         native_update.install(opt, compact=True)
         exclude_decay(opt)
+        if isinstance(opt, keras.optimizers.Nadam):   # its build may come later in the fit
+            _product_in_float32(opt)
+            if not _installed.is_wrapped(opt, _BUILD):
+                _installed.install_method(opt, _BUILD,
+                                          lambda original: _build_then_product(opt, original))
     if restored:
         for o in {id(optimizer): optimizer, id(opt): opt}.values():
             _rekey(o)
