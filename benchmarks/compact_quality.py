@@ -20,11 +20,13 @@ times the machine, and another mode computes other bits):
   optimizer state must equal the first's bit for bit (``digest``);
 * ``keras_mp_compact``: compact moments and
   ``keras_mp.config.set_compact_weights(True)`` (the trained weights and
-  their gradients in bfloat16 too, each update rounded stochastically).
+  their gradients in bfloat16 too, each update rounded stochastically; with
+  every ``--optimizer``: the others' weights are compact when asked).
 
 Figures: the last epoch's mean training loss, the loss on 256 held-out
 sequences (the last 10 % of the text), each epoch's training loss, and a
-SHA-256 ``digest`` of every model and optimizer variable after training.
+SHA-256 ``digest`` of every model and optimizer variable after training,
+the dtypes of the moments and of the trained weights.
 ``within_1_percent``: both final losses within 1 % of Keras float32's.
 
 Run: ``python -m benchmarks.compact_quality [--steps 100] [--epochs 10]``
@@ -131,9 +133,11 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                         shuffle=False)
     held_out = model.evaluate(mask(vx), vy, batch_size=64, verbose=0, return_dict=True)
     moments = sorted({str(v.dtype) for v in model.optimizer.variables if len(v.shape)})
+    weights = sorted({str(v.dtype) for v in model.trainable_variables})
     return {"loss": history.history["loss"], "final_loss": history.history["loss"][-1],
             "held_out_loss": held_out["loss"], "digest": _digest(model),
-            "moment_dtypes": moments, "parameters": model.count_params()}
+            "moment_dtypes": moments, "weight_dtypes": weights,
+            "parameters": model.count_params()}
 
 
 def run(variants: Sequence[str] = VARIANTS, steps: int = STEPS, epochs: int = EPOCHS,
@@ -178,17 +182,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     results = run(args.variants.split(","), args.steps, args.epochs, args.seed, args.optimizer)
     print("| variant | final train loss | held-out loss | vs float32 (train, held-out) | "
-          "moments |\n| --- | ---: | ---: | ---: | --- |")
+          "moments | weights |\n| --- | ---: | ---: | ---: | --- | --- |")
     for v, r in results.items():
         if not isinstance(r, dict):
             continue
         if "error" in r:
-            print(f"| {v} | {r['error']} | | | |")
+            print(f"| {v} | {r['error']} | | | | |")
             continue
         rel = r.get("vs_float32")
         cell = f"{rel['final_loss']:+.2%}, {rel['held_out_loss']:+.2%}" if rel else ""
         print(f"| {v} | {r['final_loss']:.4f} | {r['held_out_loss']:.4f} | {cell} | "
-              f"{', '.join(r['moment_dtypes'])} |")
+              f"{', '.join(r['moment_dtypes'])} | {', '.join(r.get('weight_dtypes', []))} |")
     if "repeats_bit_for_bit" in results:
         print(f"\nseeded compact run repeated bit for bit: {results['repeats_bit_for_bit']}")
     if args.json:
