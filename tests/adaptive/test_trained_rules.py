@@ -151,6 +151,23 @@ def test_other_optimizers_train_bfloat16_weights(name, compact):
 
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
+def test_under_adaptive_the_weights_follow_their_layers_compute_dtype(name, compact):
+    # "adaptive" computes in bfloat16 only where this CPU runs it fast (not
+    # with KERAS_MP_TEST_CPU_FLAGS=avx2): there the weights are bfloat16; on
+    # a float32-only CPU they stay float32 (the moments, asked, are bfloat16).
+    model = _model(OTHERS[name](), "adaptive")
+    history = _fit(model, epochs=2)
+    assert np.isfinite(history.history["loss"]).all()
+    hidden = model.get_layer("hidden")
+    expected = "bfloat16" if hidden.compute_dtype == "bfloat16" else "float32"
+    assert _dtypes(hidden.trainable_variables) == {expected}, hidden.compute_dtype
+    opt = _inner(model)
+    i = opt._get_variable_index(hidden.kernel)
+    slots = [getattr(opt, attr)[i] for attr in compact_update.SLOTS[type(opt)]]
+    assert _dtypes(slots) == {"bfloat16"}     # compact moments asked: any layer's
+
+
+@pytest.mark.parametrize("name", sorted(OTHERS))
 def test_a_step_is_kerass_float32_update_to_a_bfloat16_rounding(name, compact):
     """From the state a fit left, one step (the table's gradient sparse, a
     row repeated) against the same optimizer class over float32 copies of
