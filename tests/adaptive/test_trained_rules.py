@@ -151,6 +151,27 @@ def test_other_optimizers_train_bfloat16_weights(name, compact):
 
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
+def test_weight_decay_is_applied_once_and_in_float32(name, compact):
+    # lr * wd = 1e-3 of each weight, below half a bfloat16 ulp: Keras's own
+    # decay in the weight's dtype would round back to 1; here it is applied
+    # in float32 inside the update, once. A zero gradient from zero slots
+    # moves no weight by the rule itself (SGD's momentum, Lion's sign and
+    # Adamax's and Nadam's first moment are all 0).
+    opt = type(OTHERS[name]()).from_config({**OTHERS[name]().get_config(),
+                                            "learning_rate": 1e-2, "weight_decay": 0.1})
+    w = keras.Variable(np.ones(4096, "float32"))
+    variables.store_as(w, "bfloat16")
+    opt.build([w])
+    trained.mark(opt, [w], restored=False)
+    assert compact_update.compact_weight(opt, w) and not opt._use_weight_decay(w)
+    assert _dtypes(_extra(opt)) <= {"float32"}        # Nadam's, built before the mark
+    opt.apply([tf.zeros([4096], tf.bfloat16)], [w])
+    new = np.asarray(w.numpy()).astype("float64")
+    assert set(np.unique(new)) == {1.0 - 2.0 ** -8, 1.0}      # rounded stochastically
+    assert new.mean() == pytest.approx(1.0 - 1e-3, abs=2e-4)
+
+
+@pytest.mark.parametrize("name", sorted(OTHERS))
 def test_under_adaptive_the_weights_follow_their_layers_compute_dtype(name, compact):
     # "adaptive" computes in bfloat16 only where this CPU runs it fast (not
     # with KERAS_MP_TEST_CPU_FLAGS=avx2): there the weights are bfloat16; on
