@@ -151,6 +151,26 @@ def test_other_optimizers_train_bfloat16_weights(name, compact):
 
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
+def test_compact_weights_alone_keep_float32_slots(name):
+    # Without compact moments the slots of a bfloat16 weight are made float32
+    # (Keras would copy the weight's dtype) and the update still reads them.
+    keras_mp.config.set_compact_weights(True)
+    try:
+        model = _model(OTHERS[name]())
+        losses = _fit(model, epochs=2).history["loss"]
+    finally:
+        keras_mp.config.set_compact_weights(None)
+    keras_mp.config.set_compact_weights(False)
+    try:
+        reference = _fit(_model(OTHERS[name](), "float32"), epochs=2).history["loss"]
+    finally:
+        keras_mp.config.set_compact_weights(None)
+    assert _dtypes(model.trainable_variables) == {"bfloat16"}
+    assert _dtypes(_slots(_inner(model))) == {"float32"}
+    np.testing.assert_allclose(losses, reference, rtol=0.01)
+
+
+@pytest.mark.parametrize("name", sorted(OTHERS))
 def test_weight_decay_is_applied_once_and_in_float32(name, compact):
     # lr * wd = 1e-3 of each weight, below half a bfloat16 ulp: Keras's own
     # decay in the weight's dtype would round back to 1; here it is applied
