@@ -70,8 +70,10 @@ def make(variant: str, build: Callable[[], Any], data, steps: int):
 
 
 #: The train steps of the fit whose steady state the bench times (its rounds
-#: are epochs of it): what keras-mp is told the coming fit makes.
-LONG_FIT = 10_000
+#: are epochs of it): what keras-mp is told the coming fit makes. Long in
+#: seconds too for any model's step (a fit that at its first calls' pace
+#: takes under a minute measures nothing, keras_mp.execution.first_calls).
+LONG_FIT = 1_000_000
 
 
 def long_fit_callback():

@@ -32,7 +32,9 @@ differently, so the trial runs on a copy of the training state, before the
 first step trains, and its decision is kept on disk: every step trains in
 the mode decided, and a seeded run trains the same weights whether it
 measured or read the decision back (docs/architecture.md, "Decisions made
-from timings"). ``evaluate`` and ``predict`` run as ``compile`` set
+from timings"). In a ``fit`` of known length the first calls train as a
+graph, timed, and nothing is measured where the fit at that pace would take
+under a minute (:mod:`keras_mp.execution.first_calls`). ``evaluate`` and ``predict`` run as ``compile`` set
 ``jit_compile`` (:mod:`keras_mp.execution.inference`), so a saved and
 loaded model predicts what the trained one did. XLA is not tried at all
 where the model cannot use it: a layer without ``supports_jit``, a
@@ -79,7 +81,8 @@ Example:
 One module per part: :mod:`~keras_mp.execution.choice` (:func:`configure`,
 :func:`chosen`, :func:`measuring`, :func:`candidate_modes`, :func:`trace_scope`), :mod:`~keras_mp.execution.reasons`
 (why a mode cannot run or cannot win for a model), :mod:`~keras_mp.execution.step_trial`
-(the measurement on the model's first call), :mod:`~keras_mp.execution.inference`
+(the measurement on the model's first call), :mod:`~keras_mp.execution.first_calls`
+(a fit's first calls, timed, before anything is measured), :mod:`~keras_mp.execution.inference`
 (how ``evaluate`` and ``predict`` run), :mod:`~keras_mp.execution.fused_update`
 (the ``xla_update`` mode), :mod:`~keras_mp.execution.native_update` (Adam, AdamW
 and SGD updates as TensorFlow's fused kernels, in every mode), :mod:`~keras_mp.execution.micro_benchmark` (the device-wide
@@ -89,8 +92,8 @@ length, the model's signature; what start-up measures is kept on disk by
 :mod:`keras_mp.device.cache`).
 """
 
-from keras_mp.execution import (choice, fused_update, inference, micro_benchmark, native_update,
-                                placement, reasons, replay, start_up, step_trial)
+from keras_mp.execution import (choice, first_calls, fused_update, inference, micro_benchmark,
+                                native_update, placement, reasons, replay, start_up, step_trial)
 from keras_mp.execution.choice import (ENV_VAR, MAPS_BUDGET, MODES, candidate_modes, chosen,
                                        configure, measuring, trace_scope)
 from keras_mp.execution.placement import epilogue
@@ -98,6 +101,6 @@ from keras_mp.execution.micro_benchmark import MARGIN, ExecutionProfile, choose,
 
 __all__ = ["MODES", "ENV_VAR", "MARGIN", "MAPS_BUDGET", "ExecutionProfile", "profile", "choose",
            "configure", "chosen", "measuring", "candidate_modes", "trace_scope", "epilogue", "choice",
-           "fused_update", "inference",
+           "first_calls", "fused_update", "inference",
            "micro_benchmark", "native_update", "placement", "reasons", "replay", "start_up",
            "step_trial"]

@@ -24,11 +24,12 @@ import tensorflow as tf
 
 from keras_mp import _installed
 from keras_mp.device import memory, xla
-from keras_mp.execution import (fused_update, inference, native_update, optimizer_state,
-                                placement, reasons, start_up, step_trial)
+from keras_mp.execution import (first_calls, fused_update, inference, native_update,
+                                optimizer_state, placement, reasons, start_up, step_trial)
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
 from keras_mp.fused import shared_matches
+from keras_mp.execution.inference import trace_scope
 from keras_mp.execution.placement import compute_dtypes as _compute_dtypes
 from keras_mp.execution.micro_benchmark import MARGIN
 from keras_mp.execution.reasons import MAPS_BUDGET, XLA_MATMUL_FLOOR
@@ -59,6 +60,9 @@ class _State:
     # mode="auto": the trial's graph and xla_update share a trace (_trial)
     update_switch: Any = None  # a bool tf.Variable: the update under XLA
     update_on: bool = False
+    # mode="auto": the sets of compute dtypes whose fit's first calls were timed
+    # (keras_mp.execution.first_calls)
+    timed: set[frozenset] = dataclasses.field(default_factory=set)
 
 
 def candidate_modes(model: keras.Model) -> tuple[str, ...]:
@@ -118,6 +122,11 @@ def _decide(model: keras.Model, state: _State) -> str:
             _log.info("keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
             state.told = True
         return "graph"
+    record = state.trials.get(frozenset(_compute_dtypes(model)))
+    if record is not None and record.decision:
+        return "graph" if record.decision in state.failed else record.decision
+    if _first_calls_pending(model, state):
+        return "trial"   # timed as a graph first: nothing measured before
     if len(candidate_modes(model)) == 1:
         if not state.told:
             reason = reasons.little_to_compile(model)
@@ -135,10 +144,44 @@ def _decide(model: keras.Model, state: _State) -> str:
                      "keras_mp: the train step runs as a TensorFlow graph: %s.", reason)
             state.told = True
         return "graph"
-    record = state.trials.get(frozenset(_compute_dtypes(model)))
-    if record is not None and record.decision:
-        return "graph" if record.decision in state.failed else record.decision
     return "trial"
+
+
+def _first_calls_pending(model: keras.Model, state: _State) -> bool:
+    """Whether ``model``'s coming fit, of known length and not short, is to
+    time its first calls as a graph before measuring anything
+    (:mod:`keras_mp.execution.first_calls`), for its current compute dtypes."""
+    return state.mode == "auto" and reasons.expected(model) is not None \
+        and reasons.short_fit(model) is None and not xla.forced("elementwise") \
+        and frozenset(_compute_dtypes(model)) not in state.timed
+
+
+def _first_calls(model: keras.Model, state: _State) -> first_calls.FirstCalls:
+    """The train function of a fit's first calls: a graph without XLA,
+    timed; then the graph kept, or the measured train function."""
+    dtypes = frozenset(_compute_dtypes(model))
+    model.jit_compile = False
+    state.original(force=True)
+    graph = optimizer_state.metrics_built_first(model, inference.without_xla(model.train_function))
+    graph = memory.released_after_first_call(graph)
+
+    holder = _installed.installed(model)
+    setattr(holder, reasons.FIRST_CALLS_ATTR, "its fit's first calls are timed as a graph")
+
+    def then():
+        state.timed.add(dtypes)
+        setattr(holder, reasons.FIRST_CALLS_ATTR, None)   # measured from now on
+        return model.make_train_function(force=True)
+
+    def keep(why: str) -> None:
+        state.timed.add(dtypes)
+        setattr(holder, reasons.FIRST_CALLS_ATTR, why)   # nothing measured, no XLA
+        state.trials.setdefault(dtypes, step_trial.Record()).decision = "graph"
+        state.chosen = state.built = "graph"
+        _log.info("keras_mp: the train step runs as a TensorFlow graph: %s.", why)
+
+    return first_calls.FirstCalls(graph, then, keep, start_up.signature(model),
+                                  reasons.expected(model))
 
 
 def _fall_back(model: keras.Model, state: _State, mode: str) -> Callable[[], Callable[..., Any]]:
@@ -211,29 +254,6 @@ def _build(model: keras.Model, state: _State, mode: str,
     return _with_fused(fn, losses, metrics) if losses or metrics else fn
 
 
-def trace_scope(model: keras.Model) -> contextlib.AbstractContextManager:
-    """The context in which keras_mp traces a step of ``model`` in the
-    graph: :func:`keras_mp.device.xla.disabled` where
-    :func:`keras_mp.execution.reasons.little_to_compile` says XLA would not
-    pay for itself, else nothing. (The train function's graph mode applies
-    it itself; the adaptive float32 probe uses it.)
-
-    Example:
-        >>> import keras
-        >>> from keras_mp.device import xla
-        >>> cnn = keras.Sequential([keras.Input((8, 8, 16)), keras.layers.Conv2D(64, 3),
-        ...                         keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
-        >>> with trace_scope(cnn):
-        ...     xla.uses_xla("elementwise")
-        False
-    """
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    if reasons.little_to_compile(model) is not None:
-        return xla.disabled()
-    return contextlib.nullcontext()
-
-
 def _trial(model: keras.Model, state: _State) -> step_trial.StepTrial:
     """A train function measuring the model's candidate modes on its first call."""
     record = state.trials.setdefault(frozenset(_compute_dtypes(model)), step_trial.Record())
@@ -302,7 +322,8 @@ def _make_train_function(model: keras.Model, state: _State,
     ``original`` is the class's bound method."""
 
     def make_train_function(force: bool = False):
-        if state.mode == "auto" and start_up.unsettled(model):
+        if state.mode == "auto" and start_up.unsettled(model) \
+                and not _first_calls_pending(model, state):
             before = state.built
             start_up.settle(model)  # now the coming fit's length is known
             if model.train_function is not None and before not in (None, "trial") \
@@ -316,7 +337,8 @@ def _make_train_function(model: keras.Model, state: _State,
         chosen = _decide(model, state)  # again: the compute dtypes may have changed
         state.chosen = state.built = chosen
         if chosen == "trial":
-            model.train_function = _trial(model, state)
+            pending = _first_calls_pending(model, state)
+            model.train_function = (_first_calls if pending else _trial)(model, state)
             return model.train_function
         if state.mode == "keep":
             original(force=True)

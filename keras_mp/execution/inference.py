@@ -36,7 +36,7 @@ import keras
 from keras_mp.device import xla
 from keras_mp.execution import reasons
 
-__all__ = ["jit", "without_xla", "make_function"]
+__all__ = ["jit", "without_xla", "trace_scope", "make_function"]
 
 
 def jit(model: keras.Model) -> bool:
@@ -88,6 +88,29 @@ def without_xla(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
 
     return step_function
+
+
+def trace_scope(model: keras.Model) -> contextlib.AbstractContextManager:
+    """The context in which keras_mp traces a step of ``model`` in the
+    graph: :func:`keras_mp.device.xla.disabled` where
+    :func:`keras_mp.execution.reasons.little_to_compile` says XLA would not
+    pay for itself, else nothing. (The train function's graph mode applies
+    it itself; the adaptive float32 probe uses it.)
+
+    Example:
+        >>> import keras
+        >>> from keras_mp.device import xla
+        >>> cnn = keras.Sequential([keras.Input((8, 8, 16)), keras.layers.Conv2D(64, 3),
+        ...                         keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
+        >>> with trace_scope(cnn):
+        ...     xla.uses_xla("elementwise")
+        False
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if reasons.little_to_compile(model) is not None:
+        return xla.disabled()
+    return contextlib.nullcontext()
 
 
 def make_function(model: keras.Model, attr: str,

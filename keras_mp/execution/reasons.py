@@ -29,7 +29,7 @@ from keras_mp.execution.placement import (MIN_SHARE, fused_dense_activations,
 from keras_mp.fused import layers as fused_layers
 
 __all__ = ["MAPS_BUDGET", "XLA_MATMUL_FLOOR", "SMALL_OUTPUT", "SHORT_FIT", "maps", "graph_only",
-           "short_fit", "matmul_free", "slow_matmul", "convolution", "small_xla_work",
+           "expected", "short_fit", "matmul_free", "slow_matmul", "convolution", "small_xla_work",
            "little_to_compile", "update_only", "update_memory", "update_native", "float32_class"]
 
 #: Past this fraction of the process's memory maps (:func:`keras_mp.device.xla.memory_maps`),
@@ -51,6 +51,10 @@ SHORT_FIT = 1000
 #: Where :func:`keras_mp.execution.start_up.expect` keeps the coming fit's calls
 #: (the model's keras_mp._installed holder).
 EXPECTED_ATTR = "expected_calls"
+#: Where :mod:`keras_mp.execution.choice` keeps why the model's train step runs
+#: as a graph without XLA while its fit's first calls are timed, or after
+#: they kept the graph (:mod:`keras_mp.execution.first_calls`); None: neither.
+FIRST_CALLS_ATTR = "first_calls_reason"
 
 
 def _check(model: keras.Model) -> None:
@@ -269,6 +273,22 @@ def small_xla_work(model: keras.Model) -> str | None:
     return None
 
 
+def expected(model: keras.Model) -> int | None:
+    """The train-function calls of ``model``'s coming ``fit``, as
+    :func:`keras_mp.execution.start_up.expect` was told (None: unknown).
+
+    Example:
+        >>> import keras
+        >>> from keras_mp.execution import reasons, start_up
+        >>> mlp = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+        >>> start_up.expect(mlp, 96)
+        >>> reasons.expected(mlp)
+        96
+    """
+    _check(model)
+    return getattr(model.__dict__.get(_installed.INSTALLED_ATTR), EXPECTED_ATTR, None)
+
+
 def short_fit(model: keras.Model) -> str | None:
     """Why measuring for this model cannot pay off in the coming fit (None
     where it may): a fit of fewer than :data:`SHORT_FIT` train-function
@@ -304,8 +324,7 @@ def short_fit(model: keras.Model) -> str | None:
         >>> reasons.short_fit(mlp) is None
         True
     """
-    _check(model)
-    calls = getattr(model.__dict__.get(_installed.INSTALLED_ATTR), EXPECTED_ATTR, None)
+    calls = expected(model)
     if calls is None or calls >= SHORT_FIT or xla.forced("elementwise"):
         return None
     return (f"this fit makes {calls} train steps, fewer than {SHORT_FIT}: too few for a "
@@ -316,7 +335,8 @@ def short_fit(model: keras.Model) -> str | None:
 def little_to_compile(model: keras.Model) -> str | None:
     """Why keras_mp compiles nothing with XLA for this model (None where it
     may): the fit is too short to measure anything (:func:`short_fit`,
-    whatever the model); or its XLA work is small (:func:`small_xla_work`), and either
+    whatever the model, or its first calls, timed as a graph, are under way
+    or showed it short in seconds: :mod:`keras_mp.execution.first_calls`); or its XLA work is small (:func:`small_xla_work`), and either
 
     * convolutions hold its weights. The whole step is not tried under XLA
       there (:func:`convolution`); the update under XLA has little to fuse,
@@ -350,7 +370,8 @@ def little_to_compile(model: keras.Model) -> str | None:
         >>> reasons.little_to_compile(mlp) is None   # no optimizer yet
         True
     """
-    short = short_fit(model)
+    short = short_fit(model) or getattr(model.__dict__.get(_installed.INSTALLED_ATTR),
+                                        FIRST_CALLS_ATTR, None)
     if short is not None:   # any model: nothing measured, nothing compiled
         return short
     kind = small_xla_work(model)

@@ -135,13 +135,25 @@ def test_a_short_fit_of_any_model_measures_nothing_and_a_long_one_does(monkeypat
         assert execution.chosen(model) == "graph" and not asked
         assert "fewer than 1000" in caplog.text and "this model's train step runs" not in caplog.text
 
+        # A fit long in calls but short in seconds: its first calls, timed as
+        # a graph, show that measuring cannot pay for itself.
         monkeypatch.setattr(execution.reasons, "SHORT_FIT", 12)
         caplog.clear()
         model = build()
         with caplog.at_level(logging.INFO, logger="keras_mp"):
             model.fit(x, y, batch_size=8, epochs=3, verbose=0)
         assert execution.reasons.short_fit(model) is None
+        assert "its 12 calls take about" in caplog.text and "less than 60 s" in caplog.text
+        assert execution.chosen(model) == "graph" and not asked
+        assert "this model's train step runs" not in caplog.text
+
+        monkeypatch.setattr(execution.first_calls, "TRIAL_AFTER_S", 0.0)
+        caplog.clear()
+        model = build()
+        with caplog.at_level(logging.INFO, logger="keras_mp"):
+            model.fit(x, y, batch_size=8, epochs=3, verbose=0)
         assert "this model's train step runs" in caplog.text   # the trial's verdict
+        assert execution.chosen(model) in ("graph", "xla_update", "xla") and asked
 
         model = build()
         cb = keras_mp.callbacks.AdaptivePrecision()

@@ -589,8 +589,10 @@ def test_adaptive_steps_and_the_trial_share_one_trace(monkeypatch, xla_matmuls_n
     # statistics, the guard's counts or the optimizer: they run on a copy.
     _fake_clocks(monkeypatch, {"xla": 0.8, "xla_update": 0.6})
     # A fit of 30 calls measures nothing (reasons.short_fit, tested in
-    # test_cache.py); this one stands for a longer fit.
+    # test_cache.py), nor does one that takes seconds (first_calls); this one
+    # stands for a longer fit: its first calls run as a graph, then the trial.
     monkeypatch.setattr(execution.reasons, "SHORT_FIT", 30)
+    monkeypatch.setattr(execution.first_calls, "TRIAL_AFTER_S", 0.0)
     x, y = _data(8 * 30)
     keras_mp.set_global_policy("adaptive_bfloat16")
     try:

@@ -64,6 +64,8 @@ def test_the_float32_class_tries_xla_whatever_its_copy_takes(monkeypatch, float3
     monkeypatch.setattr(step_trial, "MEMORY_BUDGET", -1.0)  # no copy fits
     # A fit of 8 steps is too short to measure anything (reasons.short_fit): as a long one.
     monkeypatch.setattr(execution.reasons, "short_fit", lambda model: None)
+    # ... and measured on its first call (not after first calls timed as a graph).
+    monkeypatch.setattr(execution.choice, "_first_calls_pending", lambda model, state: False)
     with keras_mp.policies.policy_scope(FLOAT32_ALONE if float32_alone else "float32"):
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="gelu"),
                                   keras.layers.Dense(1)])

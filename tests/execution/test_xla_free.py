@@ -60,7 +60,10 @@ _CHILD = textwrap.dedent("""
     import json, subprocess
     import numpy as np, keras, keras_mp
     from keras_mp.device import xla
-    from keras_mp.execution import placement, reasons
+    from keras_mp.execution import first_calls, placement, reasons
+    import sys
+    if sys.argv[1] == "long":   # stands for a fit long in seconds: it measures
+        first_calls.TRIAL_AFTER_S = 0.0
     compiled, children = [], []
     real_uses, real_run = xla.uses_xla, subprocess.run
     def uses(kind, device_type=None):
@@ -92,14 +95,22 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_a_small_dense_model_trains_without_xla_in_its_process(tmp_path):
-    """In a fresh process: one child measures; nothing keras_mp runs in the
-    training process asks for XLA; the model trains."""
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path)
+@pytest.mark.parametrize("length", ["long", "seconds"])
+def test_a_small_dense_model_trains_without_xla_in_its_process(tmp_path, length):
+    """In a fresh process: where its fit is long in seconds, one child
+    measures; where its first calls show the fit takes seconds, nothing is
+    measured (no child, no trial); either way nothing keras_mp runs in the
+    training process asks for XLA, and the model trains."""
+    proc = subprocess.run([sys.executable, "-c", _CHILD, length], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
+    if length == "seconds":
+        assert out["children"] == 0 and out["chosen"] == "graph" and out["compiled"] == []
+        assert out["little"].startswith("its 1024 calls take about")
+        assert out["loss"][-1] < out["loss"][0]
+        return
     assert out["children"] == 1 and out["recorded"]
     assert out["loss"][-1] < out["loss"][0]
     if out["little"] is None:   # XLA's matmuls not slower in this dtype here: XLA may help

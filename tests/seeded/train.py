@@ -11,11 +11,14 @@ are kept). Two functional models, each seeded with
 
 * ``dense``: a Dense stack with Adam, 1024 train steps (more than
   ``keras_mp.execution.reasons.SHORT_FIT``, so that the execution mode is
-  decided from measurements, not by the short-fit rule);
+  decided from measurements, not by the short-fit rule): its first calls are
+  timed as a graph, and the fit, seconds long, keeps the graph
+  (``keras_mp.execution.first_calls``; the median call is kept on disk);
 * ``lstm``: an LSTM and a Dense head with RMSprop, whose update has no
   native kernel, so the trial has the update under XLA to try; 1056 train
   steps, more than ``SHORT_FIT`` too (a shorter fit of any model measures
-  nothing).
+  nothing). It stands for a long fit (``first_calls.TRIAL_AFTER_S`` set to
+  0): after its first calls, the trial.
 
 A feature of a few batches is beyond float16 (7e4): under
 ``"adaptive_float16"`` steps are skipped and layers are promoted, so the
@@ -76,7 +79,7 @@ def main(policy: str, out: str) -> None:
     import keras
 
     import keras_mp
-    from keras_mp.execution import step_trial
+    from keras_mp.execution import first_calls, step_trial
 
     said = _Said()
     logging.getLogger("keras_mp").addHandler(said)
@@ -87,6 +90,7 @@ def main(policy: str, out: str) -> None:
     info = {}
     for build in (dense, lstm):
         said.lines.clear()
+        first_calls.TRIAL_AFTER_S = 0.0 if build is lstm else 60.0
         keras.utils.set_random_seed(7)
         model, x, y, fit = build(keras, np.random.default_rng(0))
         history = model.fit(x, y, verbose=0, **fit)
@@ -100,6 +104,8 @@ def main(policy: str, out: str) -> None:
             "variables": [getattr(v, "path", None) or v.name for v in state],
             # What the execution trial said (not the rules that leave only the graph).
             "said": [line for line in said.lines if "this model's train step runs" in line],
+            # What its first calls, timed as a graph, decided.
+            "first_calls": [line for line in said.lines if " calls take about " in line],
         }
     with open(os.path.join(out, "info.json"), "w") as f:
         json.dump(info, f, indent=1, default=str)
