@@ -182,9 +182,23 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, Sav
 
     # -- state ------------------------------------------------------------
 
-    @tracking.no_automatic_dependency_tracking
     def build(self, var_list):
-        # Not Keras's LSO.build: our state comes from the schedule.
+        # Not Keras's LSO.build: our state comes from the schedule. And the
+        # inner optimizer builds as it builds alone, its variables tracked:
+        # Keras's LSO builds it untracked, so that what an optimizer makes as
+        # an attribute (Nadam's running product ``_u_product``, Adafactor's
+        # placeholders) was neither listed nor saved, and a resumed Nadam
+        # restarted its product at 1 (saved_state reads the files saved so).
+        self._build_state(var_list)
+        self.inner_optimizer.build(var_list)
+        self._build_base(var_list)
+
+    @tracking.no_automatic_dependency_tracking
+    def _build_base(self, var_list):
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    @tracking.no_automatic_dependency_tracking
+    def _build_state(self, var_list):
         distribute.check_strategy()
         self._state_variables = {}
         for key, (dtype, value) in self.schedule.state_spec().items():
@@ -201,8 +215,6 @@ class LossScaleOptimizer(layer_scales_lib.LayerScalesMixin, KerasNamesMixin, Sav
             self.variable_scales = self.add_variable(
                 shape=(len(var_list),), dtype="float32", initializer="ones",
                 aggregation="only_first_replica", name="variable_scales")
-        self.inner_optimizer.build(var_list)
-        keras.optimizers.Optimizer.build(self, var_list)
 
     @property
     def loss_scale_state(self) -> dict[str, keras.Variable]:

@@ -24,6 +24,10 @@ class SavedStateMixin:
         # Keras only warns on a count mismatch and keeps the defaults: a resumed run would
         # restart from the initial scale. No optimizer in the file: Keras's warning, state kept.
         saved, counts = len(store.keys()), (len(self.variables), self._unbuilt_variable_count)
+        late = self._attribute_variables()
+        if self.built and late and saved == len(self.variables) - len(late):
+            self._load_without(store, late)
+            return
         if self.built and saved and saved not in counts and self._load_own_part(store, saved):
             return
         if self.built and saved and saved not in counts:
@@ -38,6 +42,26 @@ class SavedStateMixin:
                 "load only the model weights (e.g. load_weights into a model compiled "
                 "without an optimizer, then copy them).")
         super().load_own_variables(store)
+
+    def _attribute_variables(self) -> list:
+        """The inner optimizer's variables it made as attributes rather than
+        with ``add_variable`` (outside its name scope: Nadam's ``_u_product``,
+        Adafactor's placeholders), which files saved before keras-mp tracked
+        them (as Keras's own LossScaleOptimizer still does not) lack."""
+        inner = self.inner_optimizer
+        return [v for v in inner.variables if not v.path.startswith(f"{inner.name}/")]
+
+    def _load_without(self, store, late: list) -> None:
+        """Loads a file saved without ``late`` (each other variable in its
+        place), leaving those as they are, with a warning."""
+        skip = {id(v) for v in late}
+        for i, v in enumerate(v for v in self.variables if id(v) not in skip):
+            v.assign(store[str(i)])
+        warnings.warn(
+            f"The file was saved without the inner {type(self.inner_optimizer).__name__}'s "
+            f"{', '.join(v.path for v in late)} (keras-mp before 2026-12-07 and Keras's own "
+            "LossScaleOptimizer leave it out): it keeps its present value; every other "
+            "optimizer variable was loaded.", stacklevel=3)
 
     def _load_own_part(self, store, saved: int) -> bool:
         """Where the file holds this optimizer's own variables (same shapes,

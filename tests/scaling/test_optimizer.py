@@ -552,3 +552,46 @@ def test_the_loss_scale_state_loads_where_the_models_variables_changed():
     other.build([a])
     with pytest.raises(ValueError, match="Cannot load the optimizer state"):
         other.load_own_variables(store)
+
+
+@pytest.mark.parametrize("inner", [keras.optimizers.Nadam, keras.optimizers.Adafactor])
+def test_what_the_inner_optimizer_makes_as_attributes_is_saved(inner):
+    """Keras's own LossScaleOptimizer builds its inner optimizer untracked, so
+    Nadam's running product (``_u_product``) and Adafactor's placeholders are
+    neither listed nor saved (a resumed Nadam restarts its product at 1). Here
+    they are listed, saved and loaded; a file saved without them (by keras-mp
+    before, or by Keras's LossScaleOptimizer's layout) loads every other
+    variable in its place, with a warning."""
+    a, b = keras.Variable([1.0, 2.0]), keras.Variable([[3.0, 4.0], [5.0, 6.0]])
+    saved = keras_mp.LossScaleOptimizer(inner(), schedule="dynamic")
+    saved.build([a, b])
+    alone = inner()
+    alone.build([a, b])
+    assert len(saved.inner_optimizer.variables) == len(alone.variables)
+    if inner is keras.optimizers.Nadam:
+        assert any(v is saved.inner_optimizer._u_product for v in saved.variables)
+        saved.inner_optimizer._u_product.assign(0.25)
+    for v in saved.inner_optimizer.variables[2:]:
+        v.assign(v + 1.0)
+    saved.set_loss_scale(64.0)
+    store = {}
+    saved.save_own_variables(store)
+    loaded = keras_mp.LossScaleOptimizer(inner(), schedule="dynamic")
+    loaded.build([a, b])
+    loaded.load_own_variables(store)
+    for x, y in zip(saved.variables, loaded.variables):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    late = loaded._attribute_variables()
+    assert late and all(not v.path.startswith(loaded.inner_optimizer.name) for v in late)
+    skip = {id(v) for v in saved._attribute_variables()}
+    old = {str(i): store[str(j)] for i, j in enumerate(
+        j for j, v in enumerate(saved.variables) if id(v) not in skip)}
+    again = keras_mp.LossScaleOptimizer(inner(), schedule="dynamic")
+    again.build([a, b])
+    with pytest.warns(UserWarning, match="keeps its present value"):
+        again.load_own_variables(old)
+    assert float(again.loss_scale) == 64.0
+    for x, y in zip(saved.variables, again.variables):
+        if id(x) not in skip:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
