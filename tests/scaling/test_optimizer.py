@@ -595,3 +595,31 @@ def test_what_the_inner_optimizer_makes_as_attributes_is_saved(inner):
     for x, y in zip(saved.variables, again.variables):
         if id(x) not in skip:
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_keras_loss_scale_optimizer_leaves_nadams_product_out_and_ours_keeps_it(tmp_path):
+    """Beside Keras's failure (docs/when_keras_fails.md): under Keras's own
+    LossScaleOptimizer (``mixed_float16``) a Nadam's running product is not
+    among the optimizer's variables, so a save and load restarts it at 1."""
+    def fitted(wrap):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=wrap(keras.optimizers.Nadam(1e-2)), loss="mse")
+        x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+        model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0)
+        return model
+
+    products = {}
+    for name, wrap in (("keras", keras.optimizers.LossScaleOptimizer),
+                       ("keras_mp", keras_mp.LossScaleOptimizer)):
+        model = fitted(wrap)
+        inner = model.optimizer.inner_optimizer
+        path = str(tmp_path / f"{name}.weights.h5")
+        model.save_weights(path)
+        again = fitted(wrap)
+        inner_again = again.optimizer.inner_optimizer
+        inner_again._u_product.assign(1.0)
+        again.load_weights(path)
+        products[name] = (float(inner._u_product.numpy()), float(inner_again._u_product.numpy()))
+    assert products["keras"][0] < 0.5 and products["keras"][1] == 1.0      # lost
+    assert products["keras_mp"][1] == products["keras_mp"][0] < 0.5         # kept
