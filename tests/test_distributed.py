@@ -194,3 +194,81 @@ def test_supported_strategies_pass_the_check(make, mirrored):
 def test_check_strategy_rejects_a_non_strategy():
     with pytest.raises(TypeError, match="`strategy` must be a tf.distribute.Strategy"):
         distribute.check_strategy("mirrored")
+
+
+def _train_compact(strategy):
+    keras.utils.clear_session(free_memory=False)
+    keras.utils.set_random_seed(0)
+    policies.set_global_policy("adaptive_bfloat16")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss="mse")
+    x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
+    history = model.fit(x, x[:, :2].sum(axis=1, keepdims=True), batch_size=BATCH, epochs=3,
+                        shuffle=False, verbose=0)
+    return model, history.history["loss"]
+
+
+def test_compact_weights_and_moments_under_a_strategy(mirrored, tmp_path):
+    """Compact (bfloat16) weights and moments train under MirroredStrategy as
+    on one device: every replica's dithered update is the same, so the
+    replicas agree; the model saves and loads. Under CentralStorageStrategy
+    the state stays float32, with its reason."""
+    from keras_mp.adaptive.storage import trained, variables
+    from keras_mp.execution import optimizer_state
+
+    keras_mp.config.set_min_saving(0)
+    keras_mp.config.set_compact_weights(True)
+    keras_mp.config.set_compact_moments(True)
+    try:
+        single, single_loss = _train_compact(tf.distribute.get_strategy())
+        model, loss = _train_compact(mirrored)
+        inner = optimizer_state.inner(model.optimizer)
+        for m in (single, model):
+            assert {variables.stored_dtype(v) for v in m.trainable_variables} == {"bfloat16"}
+        assert {variables.stored_dtype(v) for v in inner._momentums} == {"bfloat16"}
+        _assert_replicas_agree(model.weights + model.optimizer.variables)
+        assert loss[-1] < 0.25 * loss[0]
+        np.testing.assert_allclose(loss, single_loss, rtol=0.05)
+        path = str(tmp_path / "compact.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+        x = np.random.default_rng(1).normal(size=(16, 8)).astype("float32")
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                                   rtol=1e-2, atol=1e-2)
+        central, _ = _train_compact(_central_storage())
+        assert {variables.stored_dtype(v) for v in central.trainable_variables} == {"float32"}
+        assert trained.adam_reason(central.optimizer).startswith("CentralStorageStrategy")
+    finally:
+        keras_mp.config.set_compact_weights(None)
+        keras_mp.config.set_compact_moments(None)
+        keras_mp.config.set_min_saving(0.5)
+        policies.set_global_policy("float32")
+
+
+def test_an_adaptive_policy_trains_under_central_storage(caplog):
+    """Under CentralStorageStrategy the fit failed at its first trace (the
+    guard's tf.cond held a cross-replica merge): now it trains, the update of
+    a non-finite step still skipped by the loss-scale optimizer."""
+    import logging
+
+    keras.utils.clear_session(free_memory=False)
+    keras.utils.set_random_seed(0)
+    policies.set_global_policy("adaptive_bfloat16")
+    try:
+        with _central_storage().scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                                      keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        x = np.random.default_rng(0).normal(size=(128, 8)).astype("float32")
+        y = x[:, :1].copy()
+        y[40] = np.nan                                   # one bad batch: its update skipped
+        with caplog.at_level(logging.INFO, logger="keras_mp"):
+            history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        assert "under CentralStorageStrategy a skipped step" in caplog.text
+        assert all(np.isfinite(w.numpy()).all() for w in model.trainable_weights)
+        assert model.optimizer.skipped_steps.numpy() >= 1
+        assert len(history.history["loss"]) == 2
+    finally:
+        policies.set_global_policy("float32")

@@ -56,6 +56,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from typing import Any
@@ -284,6 +285,15 @@ def guard(model: keras.Model) -> bool:
                         f"{type(model).__name__}.")
     held = _installed.installed(model)
     if getattr(held, _ATTR, None) is not None:
+        return False
+    if isinstance(model.distribute_strategy, tf.distribute.experimental.CentralStorageStrategy):
+        # Its variables' assign is a cross-replica merge, which the tf.cond that
+        # puts them back cannot hold: the fit failed at its first trace ("merge_call
+        # called while defining a new graph"). The loss-scale optimizer still skips
+        # the update; what the forward pass assigned stays, as under mixed_float16.
+        logging.getLogger("keras_mp").info(
+            "keras_mp: under CentralStorageStrategy a skipped step keeps what its forward "
+            "pass assigned (moving statistics, metric totals); its update is skipped.")
         return False
     install()
     setattr(held, _ATTR, _Guard(model))

@@ -41,8 +41,9 @@ update is the float32 rule of :mod:`keras_mp.execution.compact_rules` from
 the weight's float32 value, any Keras ``weight_decay`` applied there in
 float32 first, the weight written back the same way (dithered, its
 update-to-ulp statistic kept; Nadam's ``_u_product`` kept float32). Not with
-AMSGrad, an exponential moving average, gradient accumulation or a
-distribution strategy (:func:`unsupported_reason`). The moments stay float32
+AMSGrad, an exponential moving average or gradient accumulation
+(:func:`unsupported_reason`), or a distribution strategy other than
+``MirroredStrategy`` (under it every replica rounds alike). The moments stay float32
 unless :func:`keras_mp.config.set_compact_moments` stores them in bfloat16
 too (by default it does in the same models, Adam's and AdamW's). The other
 optimizers' compact weights are opt-in as their moments are: the default's
@@ -153,8 +154,12 @@ def adam_reason(optimizer: Any) -> str | None:
     """Why ``optimizer`` (a loss-scale wrapper counts as its inner optimizer)
     is not one whose update keras-mp computes over compact state (None when
     it is: an exact Adam, AdamW, SGD with momentum, Adamax, Nadam or Lion):
-    the class, AMSGrad, SGD without momentum, a distribution strategy, the
-    native update's own conditions.
+    the class, AMSGrad, SGD without momentum, the native update's own
+    conditions, a distribution strategy other than ``MirroredStrategy``
+    (under it each replica's update is the same, its dithered rounding keyed
+    on the step and the variable alone, so the replicas agree:
+    ``tests/test_distributed.py``; ``CentralStorageStrategy`` fails in the
+    skip of a non-finite step, untried under the others).
 
     Example:
         >>> import keras
@@ -172,14 +177,17 @@ def adam_reason(optimizer: Any) -> str | None:
     strategy = getattr(opt, "_distribution_strategy", None)
     if tf.distribute.has_strategy() or (strategy is not None
                                         and strategy is not tf.distribute.get_strategy()):
-        return "a distribution strategy: state stays float32"
+        strategy = strategy if strategy is not None else tf.distribute.get_strategy()
+        if not isinstance(strategy, tf.distribute.MirroredStrategy):
+            return (f"{type(strategy).__name__}: state stays float32 (compact state runs under "
+                    "MirroredStrategy)")
     return native_update.unsupported_reason(opt, compact=True)
 
 
 def unsupported_reason(optimizer: Any) -> str | None:
     """Why ``optimizer`` keeps its trained weights in float32 (None when they
     can be bfloat16): :func:`adam_reason` (a class not in :data:`OPTIMIZERS`,
-    AMSGrad, SGD without momentum, a distribution strategy), and Keras's own
+    AMSGrad, SGD without momentum), and Keras's own
     per-variable state that copies the weight's dtype (an exponential moving
     average, gradient accumulators). Whether they are bfloat16 by default is
     :func:`allowed`'s (only Adam's and AdamW's, :data:`DEFAULT_OPTIMIZERS`).
