@@ -158,8 +158,7 @@ def adam_reason(optimizer: Any) -> str | None:
     conditions, a distribution strategy other than ``MirroredStrategy``
     (under it each replica's update is the same, its dithered rounding keyed
     on the step and the variable alone, so the replicas agree:
-    ``tests/test_distributed.py``; ``CentralStorageStrategy`` fails in the
-    skip of a non-finite step, untried under the others).
+    ``tests/test_distributed.py``; not tried under the others).
 
     Example:
         >>> import keras
