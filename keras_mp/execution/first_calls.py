@@ -10,9 +10,9 @@ calls measures nothing; but a thousand calls of a small step take seconds.
 keras.io's collaborative-filtering recommender (2,814 calls of about 2 ms,
 2-core AMD EPYC with AVX512-BF16, an empty cache) spent 5.4 s from the fit's
 start to the end of its first call (the child process, the trial and its XLA
-compilation) against Keras's 0.55 s, then compiled XLA once more for the
-epoch's partial last batch, and its whole ``fit`` took 2.3x the wall time of
-Keras ``mixed_bfloat16``'s; pinned to the graph, 1.06x.
+compilation) against Keras's 0.55 s (pinned to XLA, it also compiled again
+for the epoch's partial last batch), and its whole ``fit`` took 2.3x the
+wall time of Keras ``mixed_bfloat16``'s; pinned to the graph, 1.06x.
 
 So in a fit of known length the first :data:`FIRST_CALLS` calls train as a
 TensorFlow graph without XLA (as Keras trains on a CPU), each timed (wall
