@@ -121,6 +121,20 @@ class Snapshots(keras.callbacks.Callback):
         self.take()
 
 
+def changed_by_a_skipped_fit(model: keras.Model, x, y, state) -> list[str]:
+    """Fits ``model`` for one epoch of one batch ``(x, y)`` holding a
+    non-finite value (its one step skipped, with keras-mp's warning) and
+    returns the paths of the model's and optimizer's variables whose values
+    that fit changed; ``state(model)`` gives those values, in that order."""
+    import pytest
+
+    names = [v.path for v in [*model.weights, *model.optimizer.variables]]
+    before = state(model)
+    with pytest.warns(UserWarning, match="non-finite"):
+        model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
+    return [n for n, a, b in zip(names, state(model), before) if not np.array_equal(a, b)]
+
+
 def two_replica_mirrored_strategy() -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy over the two logical CPU devices whose collectives
     cannot collide with those of strategies made before it in this process.

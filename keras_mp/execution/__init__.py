@@ -34,7 +34,8 @@ the mode decided, and a seeded run trains the same weights whether it
 measured or read the decision back (docs/architecture.md, "Decisions made
 from timings"). In a ``fit`` of known length the first calls train as a
 graph, timed, and nothing is measured where the fit at that pace would take
-under a minute (:mod:`keras_mp.execution.first_calls`). ``evaluate`` and ``predict`` run as ``compile`` set
+under a minute (:mod:`keras_mp.execution.first_calls`). ``evaluate`` and
+``predict`` run as ``compile`` set
 ``jit_compile`` (:mod:`keras_mp.execution.inference`), so a saved and
 loaded model predicts what the trained one did. XLA is not tried at all
 where the model cannot use it: a layer without ``supports_jit``, a

@@ -273,6 +273,11 @@ def small_xla_work(model: keras.Model) -> str | None:
     return None
 
 
+def _held(model: keras.Model, name: str):
+    """What keras_mp keeps under ``name`` on ``model``'s holder (None: nothing)."""
+    return getattr(model.__dict__.get(_installed.INSTALLED_ATTR), name, None)
+
+
 def expected(model: keras.Model) -> int | None:
     """The train-function calls of ``model``'s coming ``fit``, as
     :func:`keras_mp.execution.start_up.expect` was told (None: unknown).
@@ -286,7 +291,7 @@ def expected(model: keras.Model) -> int | None:
         96
     """
     _check(model)
-    return getattr(model.__dict__.get(_installed.INSTALLED_ATTR), EXPECTED_ATTR, None)
+    return _held(model, EXPECTED_ATTR)
 
 
 def short_fit(model: keras.Model) -> str | None:
@@ -336,7 +341,8 @@ def little_to_compile(model: keras.Model) -> str | None:
     """Why keras_mp compiles nothing with XLA for this model (None where it
     may): the fit is too short to measure anything (:func:`short_fit`,
     whatever the model, or its first calls, timed as a graph, are under way
-    or showed it short in seconds: :mod:`keras_mp.execution.first_calls`); or its XLA work is small (:func:`small_xla_work`), and either
+    or showed it short in seconds: :mod:`keras_mp.execution.first_calls`);
+    or its XLA work is small (:func:`small_xla_work`), and either
 
     * convolutions hold its weights. The whole step is not tried under XLA
       there (:func:`convolution`); the update under XLA has little to fuse,
@@ -370,8 +376,7 @@ def little_to_compile(model: keras.Model) -> str | None:
         >>> reasons.little_to_compile(mlp) is None   # no optimizer yet
         True
     """
-    short = short_fit(model) or getattr(model.__dict__.get(_installed.INSTALLED_ATTR),
-                                        FIRST_CALLS_ATTR, None)
+    short = short_fit(model) or _held(model, FIRST_CALLS_ATTR)
     if short is not None:   # any model: nothing measured, nothing compiled
         return short
     kind = small_xla_work(model)

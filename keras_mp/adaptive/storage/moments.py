@@ -9,7 +9,8 @@ parameters, :data:`keras_mp.adaptive.storage.trained.AUTO_PARAMETERS`),
 ``fit`` of a model under an adaptive policy stores the
 first and second moments of its ``keras.optimizers.Adam`` or ``AdamW`` (the
 exact classes, without AMSGrad, hyperparameters other than the learning rate
-numbers; no distribution strategy but ``MirroredStrategy``) in bfloat16: 4 bytes per weight, and the
+numbers; no distribution strategy but ``MirroredStrategy``) in bfloat16: 4
+bytes per weight, and the
 update is computed in float32 from them, the second moment written back with
 dithered rounding (:mod:`keras_mp.execution.compact_update`, installed as the
 optimizer's ``update_step`` with :mod:`keras_mp.execution.native_update`).
