@@ -32,7 +32,8 @@ the dtypes of the moments and of the trained weights.
 Run: ``python -m benchmarks.compact_quality [--steps 100] [--epochs 10]``
 (about 2 minutes a variant on a 2-core CPU); ``--optimizer`` trains with
 another optimizer whose moments keras-mp can store compactly
-(:data:`OPTIMIZERS`: ``sgd_momentum``, ``adamax``, ``nadam``, ``lion``).
+(:data:`OPTIMIZERS`: ``sgd_momentum``, ``adamax``, ``nadam``, ``lion``,
+``adafactor``).
 
 Example:
     >>> from benchmarks import compact_quality
@@ -62,13 +63,16 @@ SIZE: dict[str, int] = dict(vocabulary_size=256, num_layers=2, num_query_heads=4
                             hidden_dim=128, intermediate_dim=256, num_key_value_heads=2)
 BATCH, LENGTH, STEPS, EPOCHS, TEXT_BYTES = 16, 128, 100, 10, 2 * 2**20
 #: ``--optimizer``: the optimizer each variant trains with (learning rates as
-#: their Keras docs suggest against Adam's 1e-3: Lion's 3-10x smaller).
+#: their Keras docs suggest against Adam's 1e-3: Lion's 3-10x smaller;
+#: Adafactor's relative step, ``min(1e-2, 1 / sqrt(t))`` of each weight's rms,
+#: the paper's).
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "adamw": ("AdamW", {"learning_rate": 1e-3}),
     "sgd_momentum": ("SGD", {"learning_rate": 0.1, "momentum": 0.9}),
     "adamax": ("Adamax", {"learning_rate": 2e-3}),
     "nadam": ("Nadam", {"learning_rate": 1e-3}),
     "lion": ("Lion", {"learning_rate": 2e-4}),
+    "adafactor": ("Adafactor", {"learning_rate": 1e-2}),
 }
 VARIANTS: tuple[str, ...] = ("keras_float32", "keras_mp", "keras_mp_compact_moments",
                              "keras_mp_compact_moments_again", "keras_mp_compact")

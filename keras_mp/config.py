@@ -135,11 +135,12 @@ def compact_storage() -> bool:
 
 
 def set_compact_moments(enabled: bool | None) -> None:
-    """Whether ``fit`` under an adaptive policy stores the two moments of a
-    ``keras.optimizers.Adam`` or ``AdamW`` in bfloat16 and computes the
-    update in float32 from them: True for every weight, False for none,
-    None (the default) for the weights of layers computing in 16 bits in a
-    model that trains at least 2**24 parameters
+    """Whether ``fit`` under an adaptive policy stores an optimizer's moments
+    in bfloat16 and computes the update in float32 from them: True for every
+    weight (the moments of an exact Adam, AdamW, SGD with momentum, Adamax,
+    Nadam or Lion, Adafactor's ``_v``), False for none, None (the default)
+    for Adam's and AdamW's moments of the weights of layers computing in 16
+    bits in a model that trains at least 2**24 parameters
     (:data:`keras_mp.adaptive.storage.trained.AUTO_PARAMETERS`);
     :mod:`keras_mp.adaptive.storage.moments` says what it applies to.
 

@@ -16,8 +16,10 @@ it in the first weight's dtype). :func:`update` is
 the entry (installed as ``update_step`` by
 :mod:`keras_mp.execution.native_update`), dispatching on the optimizer's
 exact class through :data:`UPDATES`: Adam and AdamW to
-:func:`keras_mp.execution.compact_update.adam`, the others to the rules
-here, XLA-compiled where Adam's update is. This module holds the rules, one small
+:func:`keras_mp.execution.compact_update.adam`, Adafactor (opt-in as these
+four; its factored slots are not one slot of the variable's shape per
+variable) to :func:`keras_mp.execution.compact_adafactor.update`, the others
+to the rules here, XLA-compiled where Adam's update is. This module holds the rules, one small
 pure function per optimizer class, written as Keras 3.15's own
 ``update_step`` computes them in float32 (the same operations in the same
 order, the same float32 constants), so that the update from float32 values
@@ -69,6 +71,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
+from keras_mp.execution import compact_adafactor
 from keras_mp.execution import compact_update as cu
 
 __all__ = ["DITHER_BELOW", "RULES", "UPDATES", "adamax", "densified", "dithers", "hyper", "lion",
@@ -366,15 +369,17 @@ def _apply(optimizer: Any, gradient: Any, variable: Any, learning_rate: Any) -> 
 #: The update over compact state, by exact optimizer class.
 UPDATES: dict[type, Callable[..., bool]] = {
     keras.optimizers.Adam: cu.adam, keras.optimizers.AdamW: cu.adam,
-    **{cls: _apply for cls in RULES}}
+    **{cls: _apply for cls in RULES},
+    keras.optimizers.Adafactor: compact_adafactor.update}
 _BY_NAME = {cls.__name__: rule for cls, rule in RULES.items()}
 
 
 def update(optimizer: Any, gradient: Any, variable: Any, learning_rate: Any) -> bool:
     """Applies ``optimizer``'s update of ``variable`` in float32 over its
     compact state, by the optimizer's exact class (:data:`UPDATES`): Adam's
-    and AdamW's (:func:`keras_mp.execution.compact_update.adam`), or the rule
-    of :data:`RULES` (a sparse gradient made dense as Keras makes it,
+    and AdamW's (:func:`keras_mp.execution.compact_update.adam`),
+    Adafactor's (:func:`keras_mp.execution.compact_adafactor.update`), or the
+    rule of :data:`RULES` (a sparse gradient made dense as Keras makes it,
     :func:`densified`). Returns False, doing nothing, where
     :func:`keras_mp.execution.compact_update.applies` does not hold or the
     gradient is neither a tensor nor ``tf.IndexedSlices`` of the variable's

@@ -57,7 +57,8 @@ float32's, and its step took 0.62 s instead of 1.49 (Keras
 
 The slots and weights of SGD with momentum, Adamax, Nadam and Lion
 (:data:`SLOTS`) are updated by the rules of
-:mod:`keras_mp.execution.compact_rules`, with this module's rounding
+:mod:`keras_mp.execution.compact_rules`, Adafactor's by
+:mod:`keras_mp.execution.compact_adafactor`, with this module's rounding
 (:func:`weight_back` for a bfloat16 weight), decay and
 one-variable-at-a-time order.
 
@@ -105,14 +106,17 @@ WEIGHT_SALT = 0x8000
 #: update-to-ulp statistics (:func:`keep_statistics`).
 STATISTICS = "update_statistics"
 #: The optimizer classes (exact) whose slots can be stored in bfloat16, and
-#: the attributes holding their slot lists: Adam's and AdamW's update is
-#: :func:`adam`, the others' :mod:`keras_mp.execution.compact_rules`'.
+#: the attributes holding those slot lists: Adam's and AdamW's update is
+#: :func:`adam`, Adafactor's :mod:`keras_mp.execution.compact_adafactor`'s,
+#: the others' :mod:`keras_mp.execution.compact_rules`'.
 SLOTS: dict[type, tuple[str, ...]] = {
     keras.optimizers.Adam: ("_momentums", "_velocities"),
     keras.optimizers.AdamW: ("_momentums", "_velocities"),
     keras.optimizers.SGD: ("momentums",), keras.optimizers.Adamax: ("_m", "_u"),
     keras.optimizers.Nadam: ("_momentums", "_velocities"),
-    keras.optimizers.Lion: ("_momentums",)}
+    keras.optimizers.Lion: ("_momentums",),
+    # Adafactor's factored _r and _c stay float32 (keras_mp.execution.compact_adafactor).
+    keras.optimizers.Adafactor: ("_v",)}
 _ADAMS = (keras.optimizers.Adam, keras.optimizers.AdamW)
 _DECAY = "_use_weight_decay"
 _LAST = "compact_update_last"   # (graph, the last update's op) in the optimizer's holder
@@ -316,7 +320,7 @@ def applies(optimizer: Any, variable: Any) -> bool:
     compact state (:func:`adam`, or
     :func:`keras_mp.execution.compact_rules.update`): an exact class of
     :data:`SLOTS` (Adam and AdamW without AMSGrad, SGD with momentum,
-    Adamax, Nadam, Lion), and a
+    Adamax, Nadam, Lion, Adafactor), and a
     float32 variable whose slots are all stored in bfloat16, or a weight
     stored so (:func:`compact_weight`)."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):

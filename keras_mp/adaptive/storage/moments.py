@@ -17,7 +17,9 @@ optimizer's ``update_step`` with :mod:`keras_mp.execution.native_update`).
 The same holds for the slots (:data:`SLOTS`) of ``SGD`` with momentum,
 ``Adamax``, ``Nadam`` and ``Lion``, their update computed by the rules of
 :mod:`keras_mp.execution.compact_rules` (Nadam's scalar ``_u_product`` stays
-float32).
+float32), and for ``Adafactor``'s full-size ``_v`` (its update
+:mod:`keras_mp.execution.compact_adafactor`; the factored ``_r`` and ``_c``,
+a row and a column per matrix, stay float32: 2 bytes a parameter saved).
 The optimizer stays the user's Keras optimizer: files, checkpoints and
 ``BackupAndRestore`` carry its slots in bfloat16, and a file with float32
 slots loads into it (and the reverse) with the values cast.
@@ -44,8 +46,8 @@ in a small one they save little, and
 each compiled update costs start-up. A layer computing in float32 (a
 float32-only CPU, a promoted layer) keeps float32 moments by default: its
 update stays TensorFlow's fused kernel. The other optimizers' moments
-(SGD with momentum, Adamax, Nadam, Lion) are compact only where the switch is
-True: the quality runs trained with AdamW. The per-variable statistic the issue
+(SGD with momentum, Adamax, Nadam, Lion, Adafactor) are compact only where
+the switch is True: the quality runs trained with AdamW. The per-variable statistic the issue
 asks for (the probe comparing the update from compact moments with the
 float32 one) is not built; the rule is the model's size.
 

@@ -36,22 +36,27 @@ promotion) has its weights in float32 again at the next ``fit``, exactly
 (the bfloat16 value). By default it applies where the optimizer is an exact
 ``keras.optimizers.Adam`` or ``AdamW`` (the update above;
 :data:`DEFAULT_OPTIMIZERS`); with the setting True also to an exact ``SGD``
-with momentum, ``Adamax``, ``Nadam`` or ``Lion`` (:data:`OPTIMIZERS`), whose
-update is the float32 rule of :mod:`keras_mp.execution.compact_rules` from
-the weight's float32 value, any Keras ``weight_decay`` applied there in
-float32 first, the weight written back the same way (dithered, its
-update-to-ulp statistic kept; Nadam's ``_u_product`` kept float32). Not with
+with momentum, ``Adamax``, ``Nadam``, ``Lion`` or ``Adafactor``
+(:data:`OPTIMIZERS`), whose update is the float32 rule of
+:mod:`keras_mp.execution.compact_rules` (Adafactor's:
+:mod:`keras_mp.execution.compact_adafactor`) from the weight's float32
+value, any Keras ``weight_decay`` applied there in float32 first, the weight
+written back the same way (dithered, its update-to-ulp statistic kept).
+Nadam's ``_u_product`` and Adafactor's factored ``_r`` and ``_c`` (a row and
+a column per matrix: tiny) stay float32, where Keras's ``build`` would make
+them in the weight's dtype; Adafactor's full-size ``_v`` follows
+:func:`keras_mp.config.set_compact_moments`. Not with
 AMSGrad, an exponential moving average or gradient accumulation
 (:func:`unsupported_reason`), or a distribution strategy other than
 ``MirroredStrategy`` (under it every replica rounds alike). The moments stay float32
 unless :func:`keras_mp.config.set_compact_moments` stores them in bfloat16
 too (by default it does in the same models, Adam's and AdamW's). The other
 optimizers' compact weights are opt-in as their moments are: the default's
-quality runs trained with AdamW; those of the other four with compact
-weights and moments (docs/benchmarks.md, three seeds of a 0.46M-parameter
-LM, 1000 steps) ended within 0.7 % of Keras float32's loss on average over
-the seeds, but single runs of SGD up to 4.4 % either way and one of Lion's
-+2.11 %. Measured on the 99.5M-parameter Llama
+quality runs trained with AdamW; those of SGD with momentum, Adamax,
+Nadam and Lion with compact weights and moments (docs/benchmarks.md, three
+seeds of a 0.46M-parameter LM, 1000 steps) ended within 0.7 % of Keras
+float32's loss on average over the seeds, but single runs of SGD up to
+4.4 % either way and one of Lion's +2.11 %; Adafactor's: docs/benchmarks.md. Measured on the 99.5M-parameter Llama
 of ``benchmarks/llm_memory.py`` (docs/benchmarks.md; its logits kernel, read
 as a float32 value, stored so too: :func:`keras_mp.adaptive.storage.frozen.read_by_cast`):
 8 bytes of training state a parameter instead of 16, its full fine-tune's
@@ -86,12 +91,14 @@ __all__ = ["AUTO_PARAMETERS", "DEFAULT_OPTIMIZERS", "OPTIMIZERS", "adam_reason",
            "unsupported_reason"]
 
 #: The optimizer classes (exact) whose update runs over bfloat16 weights:
-#: Adam's and AdamW's (:func:`keras_mp.execution.compact_update.adam`), and
+#: Adam's and AdamW's (:func:`keras_mp.execution.compact_update.adam`),
 #: SGD with momentum's, Adamax's, Nadam's and Lion's
-#: (:mod:`keras_mp.execution.compact_rules`).
+#: (:mod:`keras_mp.execution.compact_rules`) and Adafactor's
+#: (:mod:`keras_mp.execution.compact_adafactor`).
 OPTIMIZERS: tuple[type, ...] = (keras.optimizers.Adam, keras.optimizers.AdamW,
                                 keras.optimizers.SGD, keras.optimizers.Adamax,
-                                keras.optimizers.Nadam, keras.optimizers.Lion)
+                                keras.optimizers.Nadam, keras.optimizers.Lion,
+                                keras.optimizers.Adafactor)
 #: The classes whose weights are compact by default (the setting None, in a
 #: large model): those of the default's quality runs. The others of
 #: :data:`OPTIMIZERS` only with ``keras_mp.config.set_compact_weights(True)``.
@@ -153,7 +160,8 @@ def on(setting: bool | None, model: Any) -> bool:
 def adam_reason(optimizer: Any) -> str | None:
     """Why ``optimizer`` (a loss-scale wrapper counts as its inner optimizer)
     is not one whose update keras-mp computes over compact state (None when
-    it is: an exact Adam, AdamW, SGD with momentum, Adamax, Nadam or Lion):
+    it is: an exact Adam, AdamW, SGD with momentum, Adamax, Nadam, Lion or
+    Adafactor):
     the class, AMSGrad, SGD without momentum, the native update's own
     conditions, a distribution strategy other than ``MirroredStrategy``
     (under it each replica's update is the same, its dithered rounding keyed
@@ -262,20 +270,31 @@ def exclude_decay(optimizer: Any) -> None:
                                   lambda original: _without_compact(optimizer, original))
 
 
-def _product_in_float32(opt) -> None:
+#: The optimizer classes whose ``build`` makes small state in a weight's
+#: dtype that stays float32 beside compact weights, and its attributes.
+_FLOAT32_STATE = {keras.optimizers.Nadam: ("_u_product",),
+                  keras.optimizers.Adafactor: ("_r", "_c")}
+
+
+def _state_in_float32(opt) -> None:
     """Nadam's ``_u_product`` (the momentum schedule's running product, a
-    scalar) in float32: Keras's ``build`` makes it in the first weight's
-    dtype, bfloat16 for a compact weight, where each step's product would be
-    rounded to 8 bits."""
-    product = getattr(opt, "_u_product", None)
-    if isinstance(product, keras.Variable) and storage_vars.stored_dtype(product) != "float32":
-        storage_vars.store_as(product, "float32")
+    scalar) and Adafactor's factored ``_r`` and ``_c`` in float32: Keras's
+    ``build`` makes the first in the first weight's dtype, the others in
+    their weight's, bfloat16 for a compact weight, where each step's product
+    or moving average would be rounded to 8 bits. (Adafactor's placeholders
+    for vectors are int32 and stay so.)"""
+    for name in _FLOAT32_STATE.get(type(opt), ()):
+        held = getattr(opt, name, None)
+        for x in held if isinstance(held, list) else [held]:
+            if isinstance(x, keras.Variable) \
+                    and storage_vars.stored_dtype(x) in ("bfloat16", "float16"):
+                storage_vars.store_as(x, "float32")
 
 
-def _build_then_product(opt, original):
+def _build_then_float32(opt, original):
     def build(var_list):
         original(var_list)
-        _product_in_float32(opt)
+        _state_in_float32(opt)
     return build
 
 
@@ -294,8 +313,9 @@ def mark(optimizer: Any, compact: list | None, restored: bool) -> None:
     bfloat16 (``compact``, the variables, or None to leave that as it is;
     their update is :func:`keras_mp.execution.compact_update.adam` or
     :func:`keras_mp.execution.compact_rules.update`'s rule), installs that
-    update and the decay's exclusion (a Nadam's ``_u_product`` kept float32,
-    also where its ``build`` comes later), and, where a trained variable was
+    update and the decay's exclusion (a Nadam's ``_u_product`` and an
+    Adafactor's ``_r`` and ``_c`` kept float32, also where its ``build``
+    comes later), and, where a trained variable was
     stored anew (``restored``), indexes the optimizer's variables again.
 
     Raises:
@@ -313,11 +333,11 @@ def mark(optimizer: Any, compact: list | None, restored: bool) -> None:
     if ids:
         native_update.install(opt, compact=True)
         exclude_decay(opt)
-        if isinstance(opt, keras.optimizers.Nadam):   # its build may come later in the fit
-            _product_in_float32(opt)
+        if type(opt) in _FLOAT32_STATE:   # its build may come later in the fit
+            _state_in_float32(opt)
             if not _installed.is_wrapped(opt, _BUILD):
                 _installed.install_method(opt, _BUILD,
-                                          lambda original: _build_then_product(opt, original))
+                                          lambda original: _build_then_float32(opt, original))
     if restored:
         for o in {id(optimizer): optimizer, id(opt): opt}.values():
             _rekey(o)
