@@ -38,7 +38,7 @@ from keras_mp.cli import deploy_demo
 from keras_mp.deploy import export, quantization
 from keras_mp.execution import (compact_rules, compact_update, fused_update, native_update, optimizer_state,
                                  remat)
-from keras_mp.execution import step_trial
+from keras_mp.execution import compact_adafactor, step_trial
 from keras_mp.fused import layers, ops
 from keras_mp.fused import losses as fused_losses
 from keras_mp.fused import metrics as fused_metrics
@@ -63,7 +63,8 @@ MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain
            "callbacks", "cli", "cli.command", "cli.demo", "cli.deploy_demo", "config", "datasets",
            "deploy", "deploy.export", "deploy.quantization", "device", "device.capabilities",
            "device.memory", "device.xla", "distribute", "execution", "execution.fused_update",
-           "execution.compact_rules", "execution.compact_update", "execution.inference", "execution.native_update",
+           "execution.compact_adafactor", "execution.compact_rules",
+           "execution.compact_update", "execution.inference", "execution.native_update",
            "execution.optimizer_state", "execution.reasons", "execution.remat",
            "execution.step_trial", "fused", "fused.fuse", "fused.layers", "fused.losses",
            "fused.metrics", "fused.ops", "fused.shared_matches", "policies", "scaling",
@@ -266,6 +267,15 @@ CASES = [
         tf.ones(2), tf.ones(2), tf.ones(2), None, tf.ones(2), *[0.5] * 9), TypeError, "`m`"),
     ("execution.compact_rules.lion", lambda: compact_rules.lion(
         tf.ones(2), None, tf.ones(2), np.ones(2), 0.1, 0.9, 0.1, 0.99, 0.01), TypeError, "`m`"),
+    ("execution.compact_adafactor.update",
+     lambda: compact_adafactor.update("adafactor", None, None, 1e-3), TypeError, "`optimizer`"),
+    ("execution.compact_adafactor.hyper",
+     lambda: compact_adafactor.hyper(keras.optimizers.Adam(), 0.1), ValueError, "`optimizer`"),
+    ("execution.compact_adafactor.densified", lambda: compact_adafactor.densified([1.0]),
+     TypeError, "`gradient`"),
+    ("execution.compact_adafactor.adafactor", lambda: compact_adafactor.adafactor(
+        tf.ones(2), tf.ones(2), tf.ones(2, tf.float16), None, None, tf.ones(2), *[0.5] * 6,
+        True), TypeError, "`w`"),
     ("execution.compact_update.weight_back", lambda: compact_update.weight_back(
         tf.ones(2), tf.ones(2), "yes", None), TypeError, "`compact`"),
     ("execution.compact_update.compact_weight",
