@@ -224,6 +224,10 @@ CASES = [
         keras.Variable(np.ones(2, "int32")), "float16"), TypeError, "`variable`"),
     ("adaptive.storage.variables.stored_dtype", lambda: storage_vars.stored_dtype(np.ones(2)),
      TypeError, "`variable`"),
+    ("adaptive.storage.variables.uncreatable", lambda: storage_vars.uncreatable(
+        np.ones(2), "bfloat16"), TypeError, "`variable`"),
+    ("adaptive.storage.variables.uncreatable", lambda: storage_vars.uncreatable(
+        keras.Variable(np.ones(2, "float32")), "int8"), ValueError, "`dtype`"),
     ("adaptive.storage.variables.nbytes", lambda: storage_vars.nbytes("v"), TypeError,
      "`variable`"),
     ("config.set_compact_moments", lambda: keras_mp.config.set_compact_moments(0),

@@ -134,7 +134,14 @@ def test_fit_sgd_workers_agree_and_match_single_process(cluster):
                                    rtol=RTOL, atol=ATOL)
 
 
-def test_adaptive_precision_workers_decide_alike_and_as_single_process(tmp_path):
+@pytest.fixture(scope="module")
+def adaptive_cluster(tmp_path_factory) -> list[dict[str, Any]]:
+    """Both workers' JSON results for the adaptive phases (a cluster of their own)."""
+    return _launch(tmp_path_factory.mktemp("multi_worker_adaptive"), "--phases",
+                   "adaptive,storage")
+
+
+def test_adaptive_precision_workers_decide_alike_and_as_single_process(adaptive_cluster):
     # Only worker 1's rows overflow float16 in the first layer; the statistics
     # all-reduce must make both workers take the same decisions (and the ones
     # one process takes on the same global batches), or their models diverge.
@@ -144,7 +151,7 @@ def test_adaptive_precision_workers_decide_alike_and_as_single_process(tmp_path)
     assert (np.abs(rows[:, :half]) < 65504).all()  # worker 0's rows
     assert (rows[:, half:] > 65504).any(axis=(1, 2)).all()  # worker 1's, every step
 
-    w0, w1 = (r["adaptive"] for r in _launch(tmp_path, "--phases", "adaptive"))
+    w0, w1 = (r["adaptive"] for r in adaptive_cluster)
     assert w0["optimizer"] == "LossScaleOptimizer"
     assert w0["w0"] == w1["w0"], "initial weights differ across workers"
     assert w0["events"], "no precision decision was made"
@@ -181,6 +188,22 @@ def test_adaptive_precision_workers_decide_alike_and_as_single_process(tmp_path)
         assert ref[key] == w0[key], key
     # float16 layers sum over 4 rows per worker instead of 8.
     _assert_same_weights(w0["w"], ref["w"], rtol=2e-2, atol=2e-2)
+
+
+def test_no_bfloat16_variable_is_made_under_two_workers_and_the_fit_trains(adaptive_cluster):
+    # TensorFlow 2.21's broadcast of a new variable's initial value between
+    # workers has no bfloat16 kernel: a frozen layer's weights stored in
+    # bfloat16 (the default) crashed the fit's start. They stay float32 with
+    # their reason, and compact weights and moments (asked for) stay float32.
+    w0, w1 = (r["storage"] for r in adaptive_cluster)
+    assert w0 == w1, "workers disagree"
+    assert set(w0["dtypes"].values()) == {"float32"}
+    assert w0["moment_dtypes"] == ["float32"]
+    assert w0["compute"] == ["bfloat16", "bfloat16"]
+    frozen, trained = w0["storage"].values()
+    assert {r["reason"] for r in frozen.values()} == {"strategy"}
+    assert {(r["dtype"], r["reason"]) for r in trained.values()} == {("float32", "trains")}
+    assert all(np.isfinite(w).all() for w in w0["w"]) and len(w0["loss"]) == 2
 
 
 def test_fit_loss_scale_optimizer_skips_a_nan_seen_by_one_worker(cluster):

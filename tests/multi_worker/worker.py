@@ -15,6 +15,11 @@ Phases:
         policy with ``keras_mp.callbacks.AdaptivePrecision``, on per-worker
         input where only worker 1's rows overflow float16 in the first layer
         (not in the default phases: the test runs it in a cluster of its own).
+    storage: ``model.fit`` under ``"adaptive_bfloat16"`` of a model whose
+        first layer is frozen, compact weights and moments turned on
+        (``keras_mp.config.set_compact_weights(True)``,
+        ``set_compact_moments(True)``): no variable can be made in bfloat16
+        under this strategy (not in the default phases either).
 """
 
 from __future__ import annotations
@@ -212,6 +217,39 @@ def _phase_adaptive(strategy) -> dict[str, Any]:
     return {"w0": w0, **adaptive_summary(model, cb)}
 
 
+def _phase_storage(strategy) -> dict[str, Any]:
+    import keras
+
+    import keras_mp
+    from keras_mp import policies
+
+    keras_mp.config.set_compact_weights(True)
+    keras_mp.config.set_compact_moments(True)
+    keras_mp.config.set_min_saving(0)
+    try:
+        with policies.policy_scope("adaptive_bfloat16"), strategy.scope():
+            model = make_model()
+            model.layers[0].trainable = False
+            model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=False)
+        data = strategy.distribute_datasets_from_function(worker_dataset_fn(nan=False))
+        history = model.fit(data, epochs=2, verbose=0)
+    finally:
+        keras_mp.config.set_compact_weights(None)
+        keras_mp.config.set_compact_moments(None)
+        keras_mp.config.set_min_saving(0.5)
+    policy = keras_mp.policies.policy_of(model)
+    return {
+        "dtypes": {v.path: str(v.dtype) for v in model.weights},
+        "storage": {layer.path: policy.record(layer.path).get("storage", {})
+                    for layer in model.layers},
+        "moment_dtypes": sorted({str(v.dtype) for v in model.optimizer.variables
+                                 if len(v.shape)}),
+        "compute": [layer.compute_dtype for layer in model.layers],
+        "loss": history.history["loss"],
+        "w": _weights(model),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="path of the JSON result")
@@ -244,6 +282,8 @@ def main() -> None:
             result["lso"] = _phase_lso(strategy)
         if "adaptive" in phases:
             result["adaptive"] = _phase_adaptive(strategy)
+        if "storage" in phases:
+            result["storage"] = _phase_storage(strategy)
     except Exception:  # noqa: BLE001 - reported to the test, which fails on it
         result["error"] = traceback.format_exc()
     with open(args.out, "w") as f:

@@ -101,6 +101,8 @@ REASONS: dict[str, str] = {
     "compute_float32": "its layer computes in float32",
     "read_in_float32": "read without autocast, or not a weight: float32",
     "not_representable": "the cast would lose more than a rounding (overflow or subnormals)",
+    "strategy": "its distribution strategy cannot make a variable of that dtype "
+                "(storage.variables.uncreatable)",
 }
 #: The relative error of rounding to nearest in the normal range, per dtype.
 UNIT_ROUNDOFF: dict[str, float] = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -385,6 +387,8 @@ def apply(model: Any, layers=None, *, restore_only: bool = False) -> list[dict[s
             read_in_compute=read_in_compute_dtype(layer, v),
             overridden=record.get(_OVERRIDE, {}).get(v.name) == "float32", error=error,
             compact_training=compact_training, read_by_cast=read_by_cast(layer, v))
+        if dtype != old and storage_vars.uncreatable(v, dtype) is not None:
+            dtype, reason = "float32", "strategy"
         found = dict(dtype=dtype, reason=reason, error=measured[0] if measured else None)
         if storage_vars.store_as(v, dtype):
             made.append(dict(variable=v.path, old=old, **found))

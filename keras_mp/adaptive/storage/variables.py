@@ -38,7 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["FLOAT_DTYPES", "nbytes", "store_as", "stored_dtype"]
+__all__ = ["FLOAT_DTYPES", "nbytes", "store_as", "stored_dtype", "uncreatable"]
 
 #: The dtypes a float variable can be stored in here.
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -67,6 +67,37 @@ def _strategy(variable: tf.Variable):
     return distributed if distributed is not None else None
 
 
+def uncreatable(variable: Any, dtype: str) -> str | None:
+    """Why no variable of ``dtype`` can be made where ``variable`` lives
+    (under its distribution strategy), or None where one can.
+
+    ``MultiWorkerMirroredStrategy`` with more than one worker sends each new
+    variable's initial value from the chief to the other workers with
+    TensorFlow's collective broadcast, which has no bfloat16 kernel in
+    TensorFlow 2.21 (``CollectiveBcastSend``: bool, float16, float32,
+    float64, int32, int64): making a bfloat16 variable there fails, and so
+    does a Keras ``"bfloat16"`` policy.
+
+    Example:
+        >>> import keras
+        >>> uncreatable(keras.Variable([1.0]), "bfloat16") is None   # no strategy
+        True
+    """
+    if not isinstance(variable, keras.Variable):
+        raise TypeError(f"`variable` must be a keras.Variable, got {variable!r}.")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"`dtype` must be one of {FLOAT_DTYPES}, got {dtype!r}.")
+    strategy = _strategy(variable._value) if variable._value is not None else None
+    if strategy is None and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    if dtype == "bfloat16" and isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) \
+            and getattr(strategy.extended, "_num_workers", 2) > 1:
+        return ("MultiWorkerMirroredStrategy cannot make a bfloat16 variable: TensorFlow "
+                f"{tf.__version__}'s broadcast of initial values between workers has no "
+                "bfloat16 kernel")
+    return None
+
+
 def store_as(variable: Any, dtype: str) -> bool:
     """Stores ``variable`` (a float ``keras.Variable`` of the TensorFlow
     backend) in ``dtype`` from now on, its value cast; returns whether
@@ -79,8 +110,9 @@ def store_as(variable: Any, dtype: str) -> bool:
 
     Raises:
         TypeError: ``variable`` is not a float ``keras.Variable``.
-        ValueError: ``dtype`` is not one of :data:`FLOAT_DTYPES`, or the
-            variable is not built yet.
+        ValueError: ``dtype`` is not one of :data:`FLOAT_DTYPES`, the
+            variable is not built yet, or its strategy cannot make a
+            variable of ``dtype`` (:func:`uncreatable`).
     """
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"`dtype` must be one of {FLOAT_DTYPES}, got {dtype!r}.")
@@ -94,6 +126,9 @@ def store_as(variable: Any, dtype: str) -> bool:
     if old is None:
         raise ValueError(f"`variable` {variable.path!r} is not built yet: store it after its "
                          "layer is built.")
+    why = uncreatable(variable, dtype)
+    if why is not None:
+        raise ValueError(f"`variable` {variable.path!r} cannot be stored in {dtype}: {why}.")
     strategy = _strategy(old)
     scope = strategy.scope() if strategy is not None else tf.init_scope()
     with scope, tf.init_scope():
