@@ -49,7 +49,8 @@ on the backward pass (:mod:`keras_mp.execution.remat`; Keras's own TensorFlow
 of median peak (``peak_samples``: all of them).
 
 Run: ``python -m benchmarks.llm_memory [--tunings full,lora] [--variants ...]
-[--json out.json]`` (about 2 minutes a variant on a 2-core CPU).
+[--optimizer adamw|adam|sgd|adamax|nadam|lion] [--json out.json]`` (about 2 minutes a
+variant on a 2-core CPU).
 
 Example:
     >>> from benchmarks import llm_memory
@@ -83,6 +84,12 @@ VARIANTS: tuple[str, ...] = ("keras_float32", "keras_mixed_bfloat16", "keras_mp"
                              "keras_mp_float32_storage", "keras_mp_compact_moments",
                              "keras_mp_compact", "keras_mp_remat")
 TUNINGS: tuple[str, ...] = ("full", "lora")
+#: ``--optimizer``: the Keras optimizer the fine-tune compiles with (AdamW by
+#: default; the others' weights and moments are compact only with
+#: ``keras_mp_compact``, where ``set_compact_weights(True)`` opts them in).
+OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "adamw": ("AdamW", {}), "adam": ("Adam", {}), "sgd": ("SGD", {"momentum": 0.9}),
+    "adamax": ("Adamax", {}), "nadam": ("Nadam", {}), "lion": ("Lion", {})}
 _MARK = "KERAS_MP_LLM_MEMORY "
 
 
@@ -183,7 +190,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
     if spec["tuning"] == "lora":
         backbone.enable_lora(LORA_RANK)
-    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
+    name, kwargs = OPTIMIZERS[spec.get("optimizer", "adamw")]
+    model.compile(optimizer=getattr(keras.optimizers, name)(1e-4, **kwargs),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   weighted_metrics=[])
     before = _rss("VmRSS")
@@ -209,13 +217,16 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(variants: Sequence[str] = VARIANTS[:3], tunings: Sequence[str] = TUNINGS,
-        steps: int = STEPS, repeats: int = 1,
-        timeout: float = 1800.0) -> dict[str, dict[str, Any]]:
+        steps: int = STEPS, repeats: int = 1, timeout: float = 1800.0,
+        optimizer: str = "adamw") -> dict[str, dict[str, Any]]:
     """``{tuning: {variant: figures}}``, each run in a fresh process, one at
     a time, ``repeats`` rounds of all (figures: see the module's docstring,
     of the run of median peak, with every run's peak and median step in
     ``peak_samples``, ``step_s_samples`` and ``step_cpu_s_samples``;
-    ``{"error": ...}`` where a process failed)."""
+    ``{"error": ...}`` where a process failed); ``optimizer``: a key of
+    :data:`OPTIMIZERS`."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"`optimizer` must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}.")
     bad = [v for v in variants if v not in VARIANTS] + [t for t in tunings if t not in TUNINGS]
     if bad:
         raise ValueError(f"`variants` must be among {VARIANTS} and `tunings` among {TUNINGS}, "
@@ -229,7 +240,8 @@ def run(variants: Sequence[str] = VARIANTS[:3], tunings: Sequence[str] = TUNINGS
         for t in tunings:
             for v in variants:
                 runs.setdefault((t, v), []).append(memory.fresh_process(
-                    "benchmarks.llm_memory", dict(variant=v, tuning=t, steps=steps), _MARK,
+                    "benchmarks.llm_memory",
+                    dict(variant=v, tuning=t, steps=steps, optimizer=optimizer), _MARK,
                     timeout))
     out: dict[str, dict[str, Any]] = {}
     for (t, v), results in runs.items():
@@ -274,12 +286,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tunings", default=",".join(TUNINGS))
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
     parser.add_argument("--json", default=None, help="also write every figure there")
     args = parser.parse_args(argv)
     if args.child is not None:
         print(_MARK + json.dumps(_child(json.loads(args.child))), flush=True)
         return
-    results = run(args.variants.split(","), args.tunings.split(","), args.steps, args.repeats)
+    results = run(args.variants.split(","), args.tunings.split(","), args.steps, args.repeats,
+                  optimizer=args.optimizer)
     print(table(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -12,7 +12,8 @@ callback's per-batch hook, then the train function), on the same batches.
 Target (issue 46): skipping costs at most 1% of a step's CPU time, median of
 at least 7 interleaved rounds (the median of each round's on/off ratio).
 
-Run: ``python -m benchmarks.skip_overhead [--quick] [--model mlp|cnn] [--rounds N]``
+Run: ``python -m benchmarks.skip_overhead [--quick] [--model mlp|cnn|mobilenet]
+[--batch 128] [--rounds N]``
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ from .adaptive_overhead import _interleaved
 from .common import cpu_name, quiet_tensorflow, sync
 
 TARGET = 1.01
+#: ``--model``: a 4x512 MLP, a small CNN with BatchNormalization, and
+#: keras.applications' MobileNetV3Small built from config (64x64 inputs,
+#: random weights, no download).
+MODELS = ("mlp", "cnn", "mobilenet")
 
 
 def run(quick: bool = False, model_kind: str = "mlp", batch: int = 128,
         rounds: int | None = None) -> dict:
     """Times each variant; returns ``{"timings", "ratios", "machine", "model", "rounds"}``."""
-    if model_kind not in ("mlp", "cnn"):
-        raise ValueError(f"`model_kind` must be 'mlp' or 'cnn', got {model_kind!r}.")
+    if model_kind not in MODELS:
+        raise ValueError(f"`model_kind` must be one of {MODELS}, got {model_kind!r}.")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"`batch` must be a whole number >= 1, got {batch!r}.")
     if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int)
                                or rounds < 7):
         raise ValueError(f"`rounds` must be a whole number >= 7, got {rounds!r}.")
@@ -44,7 +51,7 @@ def run(quick: bool = False, model_kind: str = "mlp", batch: int = 128,
     from keras_mp.adaptive.fit import autofit
 
     rng = np.random.default_rng(0)
-    shape = (512,) if model_kind == "mlp" else (32, 32, 3)
+    shape = {"mlp": (512,), "cnn": (32, 32, 3), "mobilenet": (64, 64, 3)}[model_kind]
     n = 16 * batch
     x = rng.normal(size=(n, *shape)).astype("float32")
     y = rng.integers(0, 10, size=(n,)).astype("int32")
@@ -62,12 +69,18 @@ def run(quick: bool = False, model_kind: str = "mlp", batch: int = 128,
         keras_mp.set_global_policy(policy)
         if model_kind == "mlp":
             body = [keras.layers.Dense(512, activation="relu") for _ in range(4)]
-        else:
-            body = [keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.BatchNormalization(),
+        elif model_kind == "cnn":
+            body = [keras.layers.Conv2D(32, 3, activation="relu"),
+                    keras.layers.BatchNormalization(),
                     keras.layers.Conv2D(64, 3, strides=2, activation="relu"),
                     keras.layers.BatchNormalization(), keras.layers.Flatten(),
                     keras.layers.Dense(128, activation="relu")]
-        model = keras.Sequential([keras.Input(shape), *body, keras.layers.Dense(10)])
+        if model_kind == "mobilenet":
+            model = keras.applications.MobileNetV3Small(
+                input_shape=shape, weights=None, classes=10, include_preprocessing=False,
+                classifier_activation=None)
+        else:
+            model = keras.Sequential([keras.Input(shape), *body, keras.layers.Dense(10)])
         model.compile(optimizer=keras.optimizers.Adam(1e-4),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # builds and traces
@@ -123,11 +136,13 @@ def format_result(r: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls and rounds")
-    parser.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
+    parser.add_argument("--model", default="mlp", choices=MODELS)
+    parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved rounds (>= 7; default 9, 7 with --quick)")
     args = parser.parse_args(argv)
-    print(format_result(run(quick=args.quick, model_kind=args.model, rounds=args.rounds)))
+    print(format_result(run(quick=args.quick, model_kind=args.model, batch=args.batch,
+                             rounds=args.rounds)))
 
 
 if __name__ == "__main__":

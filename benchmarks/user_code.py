@@ -33,9 +33,11 @@ The scenarios (issue 39, item 4; issue 49, item 4):
   the wall and CPU time from setting the policy to the end of the example's
   ``fit`` (building, ``adapt`` calls, compiling, every start-up cost),
   ``fit`` alone beside it (``fit_wall_s``), each keras_mp process with an
-  empty measurement cache of its own unless ``--cache`` names one. ``"adaptive"`` is compared with the
-  Keras policy of the dtype it picks on this CPU (``mixed_bfloat16`` where
-  bfloat16 is fast, float32 where it is float32 alone),
+  empty measurement cache of its own unless ``--cache`` names one.
+  ``"adaptive"`` is compared with the Keras policy of the dtype it picks on
+  this CPU (``mixed_bfloat16`` where bfloat16 is fast, float32 where it is
+  float32 alone, and there also Keras float32 with ``jit_compile=True``,
+  the other one-line set-up),
   ``"adaptive_float16"`` with ``mixed_float16``. ``--scale`` shrinks or
   grows the examples' data (1: the sizes in that module).
 
@@ -70,6 +72,8 @@ __all__ = ["SCENARIOS", "EXAMPLES", "PAIRS", "pairs", "run", "main"]
 EXAMPLES = tuple(BUILDERS)
 #: Stands for the Keras policy of the dtype ``"adaptive"`` picks on this CPU (:func:`pairs`).
 MATCHING = "keras_matching"
+#: Keras float32 with ``jit_compile=True``: compared too where ``"adaptive"`` is float32 alone.
+XLA = "keras_float32_xla"
 #: scenario -> the (keras_mp variant, Keras variant) pairs it compares.
 PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
     "small_fit": (("adaptive", "keras_float32"), ("adaptive_float16", "keras_mixed_float16")),
@@ -93,13 +97,22 @@ def pairs(scenario: str) -> tuple[tuple[str, str], ...]:
 
     first = default_candidates()[0]
     keras_policy = "keras_float32" if first == "float32" else f"keras_mixed_{first}"
-    return tuple((mp, keras_policy if k == MATCHING else k) for mp, k in PAIRS[scenario])
+    resolved = tuple((mp, keras_policy if k == MATCHING else k) for mp, k in PAIRS[scenario])
+    if first == "float32" and any(k == MATCHING for _, k in PAIRS[scenario]):
+        # On a float32-only CPU the best one-line Keras set-up may be XLA.
+        resolved += (("adaptive", XLA),)
+    return resolved
 
 
 def _set_policy(variant: str) -> None:
     import keras
 
-    if variant.startswith("keras_"):
+    if variant == XLA:  # Keras float32 with every model compiled jit_compile=True
+        keras.mixed_precision.set_global_policy("float32")
+        compile_ = keras.Model.compile
+        keras.Model.compile = lambda self, *a, **k: compile_(
+            self, *a, **{**k, "jit_compile": True})
+    elif variant.startswith("keras_"):
         keras.mixed_precision.set_global_policy(variant.removeprefix("keras_"))
     else:
         import keras_mp
@@ -238,7 +251,7 @@ def run(scenario: str = "small_fit", rounds: int = 5, cache: str | None = None,
             raise ValueError(f"`policy` must be one of {sorted({mp for mp, _ in compared})} "
                              f"for {scenario!r}, got {policy!r}.")
         compared = tuple(p for p in compared if p[0] == policy)
-    variants = [v for pair in compared for v in pair]
+    variants = list(dict.fromkeys(v for pair in compared for v in pair))  # each once
     clocks = ("cpu_s", "wall_s", "fit_wall_s") if scenario in EXAMPLES else ("cpu_s", "wall_s")
     samples: dict[str, dict[str, list[float]]] = {v: {c: [] for c in clocks} for v in variants}
     for r in range(rounds):

@@ -12,10 +12,25 @@ from benchmarks import keras_io_examples, user_code
 def test_adaptive_is_compared_with_the_keras_policy_of_the_dtype_it_picks_here():
     first = keras_mp.device.default_candidates()[0]
     expected = "keras_float32" if first == "float32" else f"keras_mixed_{first}"
+    # On a float32-only CPU Keras's other one-liner, float32 under XLA, too.
+    xla = (("adaptive", user_code.XLA),) if first == "float32" else ()
     for name in user_code.EXAMPLES:
         assert user_code.pairs(name) == (("adaptive", expected),
-                                         ("adaptive_float16", "keras_mixed_float16"))
+                                         ("adaptive_float16", "keras_mixed_float16"), *xla)
     assert user_code.pairs("small_fit") == user_code.PAIRS["small_fit"]
+
+
+def test_the_xla_variant_compiles_every_model_with_jit_compile(monkeypatch):
+    monkeypatch.setattr(keras.Model, "compile", keras.Model.compile)  # put back after
+    policy = keras.mixed_precision.global_policy()
+    try:
+        user_code._set_policy(user_code.XLA)
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        assert model.jit_compile is True
+        assert keras.mixed_precision.global_policy().name == "float32"
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
 
 
 @pytest.mark.parametrize("call, match", [
