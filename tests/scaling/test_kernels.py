@@ -238,3 +238,40 @@ def test_statistics_cost_a_few_graph_nodes_per_gradient():
         return len(graph.node) + sum(len(f.node_def) for f in graph.library.function)
 
     assert (nodes(60) - nodes(20)) / 40 <= 40
+
+
+@pytest.mark.parametrize("shape", [(512, 512), (3, 3, 32, 64), (256,), (300,), (7, 100), (1,)])
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "inf-inf", None])
+@pytest.mark.parametrize("traced", [False, True])
+def test_nonfinite_by_sums_flags_one_bad_element_anywhere(shape, bad, traced):
+    # A float32 gradient of ROW elements or more is summed as rows times ones
+    # (a matrix-vector product); the others with reduce_sum: both must see a
+    # single non-finite element wherever it is, and +inf with -inf.
+    rng = np.random.default_rng(sum(shape))
+    a = rng.normal(size=shape).astype("float32").reshape(-1)
+    i, j = rng.choice(a.size, size=2, replace=False) if a.size > 1 else (0, 0)
+    if bad == "inf-inf":
+        a[i], a[j] = np.inf, -np.inf
+        if i == j:
+            a[i] = np.nan
+    elif bad is not None:
+        a[i] = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}[bad]
+    g = tf.constant(a.reshape(shape))
+    check = tf.function(kernels.nonfinite_by_sums) if traced else kernels.nonfinite_by_sums
+    assert check([g, tf.ones([3])]).numpy().tolist() == [bad is not None, False]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_nonfinite_by_sums_of_16_bit_gradients_sums_in_float32(dtype):
+    # 4096 float16 values of 60000 sum far beyond float16's range: no overflow.
+    big = tf.fill([4096], tf.constant(60000.0, dtype))
+    bad = tf.tensor_scatter_nd_update(big, [[5]], tf.constant([np.nan], dtype))
+    assert kernels.nonfinite_by_sums([big, bad]).numpy().tolist() == [False, True]
+
+
+def test_nonfinite_by_sums_of_indexed_slices_reads_their_values():
+    values = tf.constant(np.ones((4, 256), "float32"))
+    bad = tf.tensor_scatter_nd_update(values, [[2, 7]], [np.inf])
+    slices = [tf.IndexedSlices(v, tf.constant([0, 3, 3, 9]), tf.constant([10, 256]))
+              for v in (values, bad)]
+    assert kernels.nonfinite_by_sums(slices).numpy().tolist() == [False, True]
