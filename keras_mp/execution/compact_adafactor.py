@@ -23,16 +23,17 @@ weight's and slots' float32 values, and writes back:
 * ``_v`` in bfloat16 where compact moments are asked
   (``keras_mp.config.set_compact_moments(True)``): the second moment of a
   vector (a bias, a norm's scale) with dithered rounding as Adam's (its
-  ``1 - beta_2_t = t ** -0.8`` falls below 2**-8 after 1000 steps, where
+  ``1 - beta_2_t = t ** -0.8`` is below 2**-8 from step 1024 on, where
   rounded to nearest it would stop decaying), the per-step product of a
   matrix rounded to nearest (it is never read again: the next step makes it
   anew). It is the one slot worth storing compactly: 4 bytes a parameter in
   float32, 2 in bfloat16, as many parameters as the model has;
 * ``_r`` and ``_c`` always in float32: ``(rows + columns)`` values per
-  matrix, 32 KiB of a 4096 x 4096 kernel's 64 MiB in float32 (0.05 %), and
-  rounded to 8 bits the factored estimate would lose more than it saves
-  (Keras's ``build`` makes them in the weight's dtype: for a compact weight
-  :func:`keras_mp.adaptive.storage.trained.mark` stores them in float32).
+  matrix, 32 KiB beside a 4096 x 4096 kernel's 64 MiB of float32 ``_v``
+  (0.05 %): stored in bfloat16 they would save almost nothing and round the
+  moving averages to 8 bits (Keras's ``build`` makes them in the weight's
+  dtype: for a compact weight :func:`keras_mp.adaptive.storage.trained.mark`
+  stores them in float32).
 
 With compact weights and ``_v``, a parameter costs 6 bytes of training
 state (weight, gradient, ``_v``: 2 each) against Keras float32's 12.
