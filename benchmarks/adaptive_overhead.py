@@ -2,7 +2,11 @@
 Keras policy it adapts around.
 
 Variants, each trained the way ``fit`` calls its train function (the
-callback's per-batch hook, then the train function), on the same batch:
+callback's batch-begin hook, the train function, its batch-end hook, which
+counts the call and decides), on the same batch (before 2026-12-07 the bench
+left out the batch-end hook: the callback's count stood still, and every
+timed call of the adaptive variants was a plain step, no statistics step,
+probe or decision):
 
 * ``keras_<narrow>``: Keras's static ``mixed_bfloat16`` (or ``mixed_float16``);
 * ``adaptive``: ``adaptive_<narrow>`` with :class:`AdaptivePrecision` at its
@@ -117,7 +121,10 @@ def run(quick: bool = False, narrow: str = "bfloat16", layers: int = 4, width: i
         model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
         return model
 
+    from keras_mp.adaptive.integration import step_functions
+
     variants, adaptive = {}, {}
+    seen: dict[str, list[int]] = {}  # per adaptive variant: plain, statistics, probe calls
 
     def keras_variant(policy):
         model = make(policy)
@@ -130,10 +137,17 @@ def run(quick: bool = False, narrow: str = "bfloat16", layers: int = 4, width: i
         # One fit builds everything (hooks, statistics, traces) outside the timing.
         model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[cb])
         adaptive[name] = (model, cb)
+        seen[name] = [0, 0, 0]
 
         def step():
+            if not cb._inert:  # the kind of step the callback picks for this call
+                seen[name][step_functions.kind_of_call(
+                    cb._calls + 1, cb.statistics_every, cb.probe_every, cb._first,
+                    cb._first_start)] += 1
             cb.on_train_batch_begin(0)  # what fit does around every call
-            return model.train_function(iter([data()]))
+            logs = model.train_function(iter([data()]))
+            cb.on_train_batch_end(0, logs)  # counts the call; decides every interval
+            return logs
         return step
 
     variants[f"keras_mixed_{narrow}"] = keras_variant(f"mixed_{narrow}")
@@ -150,6 +164,8 @@ def run(quick: bool = False, narrow: str = "bfloat16", layers: int = 4, width: i
             sync(fn())
 
     calls, rounds = (2 * interval, 5) if quick else (4 * interval, 7)
+    for counts in seen.values():
+        counts[:] = [0, 0, 0]
     timings = _interleaved(variants, calls, rounds)
     early = _interleaved({name: _window(make, f"adaptive_{narrow}", x, y, batch, data,
                                         interval, first)
@@ -168,7 +184,10 @@ def run(quick: bool = False, narrow: str = "bfloat16", layers: int = 4, width: i
         "wall_ratio_float32": t["adaptive_float32_only"]["wall_ms"]
         / t["keras_float32"]["wall_ms"],
         "calls_per_round": calls, "rounds": rounds,
-        "probes_per_round": calls // cb.probe_every, "statistics_per_round": calls // cb.statistics_every,
+        # Observed in the timed rounds (the adaptive variant): probe steps
+        # count as statistics steps too (they run one).
+        "probes_per_round": seen["adaptive"][2] / rounds,
+        "statistics_per_round": (seen["adaptive"][1] + seen["adaptive"][2]) / rounds,
         "early": early,
         "switches": [e for _, c in adaptive.values() for e in c.events],
         "dtypes": sorted({layer.compute_dtype for m, _ in adaptive.values()
@@ -204,8 +223,8 @@ def _window(make, policy, x, y, batch, data, interval, first):
 def format_result(r: dict) -> str:
     """The printed table and verdicts."""
     lines = [f"Machine: {r['machine']}", f"Model: {r['model']}; {r['rounds']} interleaved "
-             f"rounds of {r['calls_per_round']} calls per variant ({r['probes_per_round']} "
-             f"probes, {r['statistics_per_round']} statistics steps per round)",
+             f"rounds of {r['calls_per_round']} calls per variant ({r['probes_per_round']:g} "
+             f"probes, {r['statistics_per_round']:g} statistics steps per round, seen)",
              "| variant | CPU ms/call | spread | wall ms/call | spread |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for name, v in r["timings"].items():
