@@ -34,13 +34,7 @@ def _adafactor(lr=1e-2, **kw):
     return keras.optimizers.Adafactor(lr, **{"weight_decay": 0.05, **kw})
 
 
-@pytest.fixture
-def compact():
-    keras_mp.config.set_compact_weights(True)
-    keras_mp.config.set_compact_moments(True)
-    yield
-    keras_mp.config.set_compact_weights(None)
-    keras_mp.config.set_compact_moments(None)
+compact = rules.compact  # the fixture: compact weights and moments on, then back
 
 
 def _factored(opt) -> list:
@@ -164,16 +158,8 @@ def test_adafactor_trains_bfloat16_weights(compact):
     assert len(_factored(opt)) == 6          # the table's and both kernels' r and c
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
     np.testing.assert_allclose(losses, reference, rtol=0.01)
-    for v in model.trainable_variables:
-        assert compact_update.compact_weight(opt, v) and not opt._use_weight_decay(v)
-    report = keras_mp.precision_report(model).storage()
-    for path in ("net/table/embeddings", "net/hidden/kernel", "net/hidden/bias"):
-        entry = report[path]
-        assert (entry["dtype"], entry["reason"], entry["moments"]) == \
-            ("bfloat16", "trains_compact", "bfloat16"), entry
-        assert 0.0 <= entry["below_half_ulp"] <= 1.0, entry
-    for a, b in zip(*runs):
-        np.testing.assert_array_equal(a, b)
+    rules.assert_stored_compactly(
+        model, opt, ("net/table/embeddings", "net/hidden/kernel", "net/hidden/bias"), runs)
 
 
 def test_a_new_adafactor_keeps_r_and_c_in_float32(compact):
@@ -241,19 +227,7 @@ def test_a_step_is_kerass_float32_update_to_a_bfloat16_rounding(compact):
     for mine, theirs in zip([*_factored(opt), *opt._v], [*_factored(ref), *ref._v]):
         theirs.assign(_f32(mine))
     ref.iterations.assign(opt.iterations)
-    rng = np.random.default_rng(5)
-
-    def gradient(v, dtype):
-        if v.path.endswith("table/embeddings"):
-            values = tf.constant(rng.normal(size=(5, 8)), dtype)
-            return tf.IndexedSlices(values, tf.constant([3, 3, 7, 0, 30]),
-                                    tf.constant([rules.ROWS, 8]))
-        return tf.constant(rng.normal(size=v.shape), dtype)
-    grads = [gradient(v, tf.bfloat16) for v in weights]
-    opt.apply(grads, weights)
-    ref.apply([tf.IndexedSlices(tf.cast(g.values, tf.float32), g.indices, g.dense_shape)
-               if isinstance(g, tf.IndexedSlices) else tf.cast(g, tf.float32) for g in grads],
-              copies)
+    rules.step_beside_keras(opt, ref, weights, copies)
     assert rules._dtypes(weights) == {"bfloat16"}
     moved = 0
     for v, w0, expected in zip(weights, start, copies):

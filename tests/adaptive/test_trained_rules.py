@@ -60,6 +60,42 @@ def _data(rows=64):
     ids = rng.integers(0, ROWS, (rows, 4)).astype("int32")
     return ids, (ids[:, :1] % 3 - 1).astype("float32")
 
+def step_beside_keras(opt, ref, weights, copies) -> None:
+    """One step of ``opt`` on ``weights`` with seeded bfloat16 gradients (the
+    embedding's sparse, a row repeated) and of Keras's ``ref`` on their
+    float32 ``copies`` with the same gradients in float32."""
+    rng = np.random.default_rng(5)
+
+    def gradient(v, dtype):
+        if v.path.endswith("table/embeddings"):
+            values = tf.constant(rng.normal(size=(5, 8)), dtype)
+            return tf.IndexedSlices(values, tf.constant([3, 3, 7, 0, 30]),
+                                    tf.constant([ROWS, 8]))
+        return tf.constant(rng.normal(size=v.shape), dtype)
+    grads = [gradient(v, tf.bfloat16) for v in weights]
+    opt.apply(grads, weights)
+    ref.apply([tf.IndexedSlices(tf.cast(g.values, tf.float32), g.indices, g.dense_shape)
+               if isinstance(g, tf.IndexedSlices) else tf.cast(g, tf.float32) for g in grads],
+              copies)
+
+
+def assert_stored_compactly(model, opt, paths, runs) -> None:
+    """Every trained weight of ``model`` updated compactly by ``opt`` (Keras's
+    own weight decay left out), each of ``paths`` reported bfloat16 with
+    bfloat16 moments and its update-to-ulp statistic, and the seeded
+    ``runs`` (two lists of arrays) equal bit for bit."""
+    for v in model.trainable_variables:
+        assert compact_update.compact_weight(opt, v) and not opt._use_weight_decay(v)
+    report = keras_mp.precision_report(model).storage()
+    for path in paths:
+        entry = report[path]
+        assert (entry["dtype"], entry["reason"], entry["moments"]) == \
+            ("bfloat16", "trains_compact", "bfloat16"), entry
+        assert 0.0 <= entry["below_half_ulp"] <= 1.0, entry
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
 
 def _fit(model, epochs=1, **kw):
     x, y = _data()
@@ -142,16 +178,7 @@ def test_other_optimizers_train_bfloat16_weights(name, compact):
     assert _dtypes(_extra(opt)) <= {"float32"}          # Nadam's product stays float32
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
     np.testing.assert_allclose(losses, reference, rtol=0.01)   # Keras float32's fit
-    for v in model.trainable_variables:
-        assert compact_update.compact_weight(opt, v) and not opt._use_weight_decay(v)
-    report = keras_mp.precision_report(model).storage()
-    for path in ("net/table/embeddings", "net/hidden/kernel"):
-        entry = report[path]
-        assert (entry["dtype"], entry["reason"], entry["moments"]) == \
-            ("bfloat16", "trains_compact", "bfloat16"), entry
-        assert 0.0 <= entry["below_half_ulp"] <= 1.0, entry
-    for a, b in zip(*runs):
-        np.testing.assert_array_equal(a, b)
+    assert_stored_compactly(model, opt, ("net/table/embeddings", "net/hidden/kernel"), runs)
 
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
@@ -233,19 +260,7 @@ def test_a_step_is_kerass_float32_update_to_a_bfloat16_rounding(name, compact):
     ref.iterations.assign(opt.iterations)
     for mine, theirs in zip(_extra(opt), _extra(ref)):
         theirs.assign(mine)
-    rng = np.random.default_rng(5)
-
-    def gradient(v, dtype):
-        if v.path.endswith("table/embeddings"):
-            values = tf.constant(rng.normal(size=(5, 8)), dtype)
-            return tf.IndexedSlices(values, tf.constant([3, 3, 7, 0, 30]),
-                                    tf.constant([ROWS, 8]))
-        return tf.constant(rng.normal(size=v.shape), dtype)
-    grads = [gradient(v, tf.bfloat16) for v in weights]
-    opt.apply(grads, weights)
-    ref.apply([tf.IndexedSlices(tf.cast(g.values, tf.float32), g.indices, g.dense_shape)
-               if isinstance(g, tf.IndexedSlices) else tf.cast(g, tf.float32) for g in grads],
-              copies)
+    step_beside_keras(opt, ref, weights, copies)
     assert _dtypes(weights) == {"bfloat16"}
     moved = 0
     for v, w0, expected in zip(weights, start, copies):
