@@ -41,6 +41,9 @@ float32 state; ``keras_mp_compact_moments`` stores only AdamW's moments in
 bfloat16 (``set_compact_moments(True)``, ``set_compact_weights(False)``);
 ``keras_mp_compact`` turns both on whatever the model's size
 (``set_compact_moments(True)``, ``set_compact_weights(True)``).
+``keras_mp_no_skip`` is ``keras_mp`` with the skip of non-finite steps off
+(``keras_mp.config.set_skip_nonfinite(False)``: the update no longer waits
+for every gradient to be checked).
 ``keras_mp_remat`` is ``keras_mp`` with the model built inside
 ``keras.RematScope("full")``: every layer's intermediate tensors recomputed
 on the backward pass (:mod:`keras_mp.execution.remat`; Keras's own TensorFlow
@@ -82,7 +85,7 @@ SIZE: dict[str, int] = dict(vocabulary_size=32000, num_layers=8, num_query_heads
 BATCH, LENGTH, STEPS, LORA_RANK = 4, 128, 4, 8
 VARIANTS: tuple[str, ...] = ("keras_float32", "keras_mixed_bfloat16", "keras_mp",
                              "keras_mp_float32_storage", "keras_mp_compact_moments",
-                             "keras_mp_compact", "keras_mp_remat")
+                             "keras_mp_compact", "keras_mp_remat", "keras_mp_no_skip")
 TUNINGS: tuple[str, ...] = ("full", "lora")
 #: ``--optimizer``: the Keras optimizer the fine-tune compiles with (AdamW by
 #: default; the others' weights and moments are compact only with
@@ -176,6 +179,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         keras_mp.config.set_compact_weights(
             False if variant in ("keras_mp_float32_storage", "keras_mp_compact_moments")
             else True if variant == "keras_mp_compact" else None)
+        keras_mp.config.set_skip_nonfinite(variant != "keras_mp_no_skip")
     else:
         keras.config.set_dtype_policy(variant.removeprefix("keras_"))
     rng = np.random.default_rng(0)
