@@ -199,6 +199,7 @@ def test_no_bfloat16_variable_is_made_under_two_workers_and_the_fit_trains(adapt
     assert w0 == w1, "workers disagree"
     assert set(w0["dtypes"].values()) == {"float32"}
     assert w0["moment_dtypes"] == ["float32"]
+    assert "cannot make a bfloat16 variable across workers" in w0["compact_reason"]
     assert w0["compute"] == ["bfloat16", "bfloat16"]
     frozen, trained = w0["storage"].values()
     assert {r["reason"] for r in frozen.values()} == {"strategy"}

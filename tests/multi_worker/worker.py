@@ -222,6 +222,7 @@ def _phase_storage(strategy) -> dict[str, Any]:
 
     import keras_mp
     from keras_mp import policies
+    from keras_mp.adaptive.storage import trained
 
     keras_mp.config.set_compact_weights(True)
     keras_mp.config.set_compact_moments(True)
@@ -245,6 +246,7 @@ def _phase_storage(strategy) -> dict[str, Any]:
         "moment_dtypes": sorted({str(v.dtype) for v in model.optimizer.variables
                                  if len(v.shape)}),
         "compute": [layer.compute_dtype for layer in model.layers],
+        "compact_reason": trained.adam_reason(model.optimizer),
         "loss": history.history["loss"],
         "w": _weights(model),
     }

@@ -188,8 +188,10 @@ def adam_reason(optimizer: Any) -> str | None:
                                         and strategy is not tf.distribute.get_strategy()):
         strategy = strategy if strategy is not None else tf.distribute.get_strategy()
         if not isinstance(strategy, tf.distribute.MirroredStrategy):
-            return (f"{type(strategy).__name__}: state stays float32 (compact state runs under "
-                    "MirroredStrategy)")
+            why = ("; TensorFlow cannot make a bfloat16 variable across workers"
+                   if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) else "")
+            return (f"{type(strategy).__name__}: state stays float32 (compact state runs "
+                    f"under MirroredStrategy{why})")
     return native_update.unsupported_reason(opt, compact=True)
 
 
