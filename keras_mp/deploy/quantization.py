@@ -12,9 +12,7 @@ Two things live here:
    ``DTypePolicyMap`` both read the *map* (``"adaptive_bfloat16"``: ``ValueError:
    Cannot convert 'adaptive_bfloat16' to a mixed precision DTypePolicy``). The
    fix hands the layer its own entry (``mixed_bfloat16``, or ``float32`` for a
-   promoted layer) for the duration of the call (in int8 mode a layer computing
-   in float16, which Keras refuses to quantize, a ``float32`` one: it ends up
-   ``int8_from_float32``, as :func:`quantize` makes it); a layer that ends up
+   promoted layer) for the duration of the call; a layer that ends up
    quantized keeps its quantized policy (``int8_from_mixed_bfloat16``), exactly
    what it would hold in plain Keras, and the AdaptivePolicy records that
    entry, so the adaptive controller leaves the layer alone and
@@ -88,11 +86,8 @@ def _with_own_entry(original: Callable, cls: type) -> Callable:
         held = self.__dict__.get("_dtype_policy")
         if not isinstance(held, AdaptivePolicy) or not self.path:
             return original(self, mode, type_check=type_check, config=config)
-        # The layer's own entry, so Keras reads a real policy's name and mode;
-        # Keras refuses int8 on a float16-computing layer: from float32 then.
-        own = held[self.path]
-        self._dtype_policy = keras.DTypePolicy("float32") \
-            if mode == "int8" and own.compute_dtype == "float16" else own
+        # The layer's own entry, so Keras reads a real policy's name and mode.
+        self._dtype_policy = held[self.path]
         try:
             original(self, mode, type_check=type_check, config=config)
         except BaseException:
@@ -119,9 +114,10 @@ def _release_float8_first(original: Callable) -> Callable:
     # float layer first (float8.release), then Keras quantizes it.
     # The same wrapper checks a model's own compute dtype when model.quantize
     # starts, and each InputLayer's: under an AdaptivePolicy a model (a
-    # container) or an InputLayer in float16 quantizes nothing itself, and a
-    # layer that computes in float16 is quantized to int8 from float32 (its
-    # quantize hands it a float32 entry; Keras refuses int8 from float16).
+    # container) or an InputLayer in float16 quantizes nothing itself, and the
+    # layers that compute are each checked in turn (keras_mp.quantize hands
+    # float16 ones a float32 entry first; a fit too small to gain left them
+    # all in float32, its InputLayer in the policy's float16).
     @functools.wraps(original)
     def check(self, mode, compute_dtype):
         adaptive = isinstance(self.__dict__.get("_dtype_policy"), AdaptivePolicy)
@@ -129,7 +125,7 @@ def _release_float8_first(original: Callable) -> Callable:
                 and adaptive):
             float8.release(self)
         if adaptive and compute_dtype == "float16" and (
-                mode == "int8" or isinstance(self, keras.layers.InputLayer)
+                isinstance(self, keras.layers.InputLayer)
                 or any(True for _ in self._flatten_layers(include_self=False))):
             compute_dtype = "float32"
         return original(self, mode, compute_dtype)

@@ -229,34 +229,3 @@ def test_fused_attention_quantizes_its_einsum_layers(tmp_path):
     fused.save(tmp_path / "mha.keras")
     again = keras.saving.load_model(tmp_path / "mha.keras")
     np.testing.assert_allclose(again.predict(x, verbose=0), out, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("container", ["sequential", "functional"])
-def test_keras_int8_quantize_of_float16_layers_quantizes_them_from_float32(tmp_path, container):
-    # Keras refuses int8 on a layer computing in float16 (as under its own
-    # mixed_float16); under "adaptive_float16" Keras's own model.quantize
-    # hands such a layer a float32 entry first, as keras_mp.quantize does.
-    if container == "functional":
-        model = _model("adaptive_float16")
-    else:
-        keras_mp.set_global_policy("adaptive_float16")
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(3)])
-        keras_mp.set_global_policy("float32")
-    dense = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)]
-    assert {layer.compute_dtype for layer in dense} == {"float16"}
-    before = np.asarray(model(_X), "float32")
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        keras_model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
-        with pytest.raises(ValueError, match="doesn't work well with compute_dtype='float16'"):
-            keras_model.quantize("int8")                 # Keras alone refuses
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    model.quantize("int8")
-    assert [layer.dtype_policy.name for layer in dense] == ["int8_from_float32"] * 2
-    out = model.predict(_X, verbose=0)
-    np.testing.assert_allclose(out, before, atol=0.05)
-    path = tmp_path / "q.keras"
-    model.save(path)
-    np.testing.assert_array_equal(keras.saving.load_model(path).predict(_X, verbose=0), out)
