@@ -72,14 +72,6 @@ _F32 = tf.float32
 _V_SALT = 0
 
 
-def _float32(**tensors) -> None:
-    """Raises TypeError naming the first of ``tensors`` that is not a
-    float32 tensor."""
-    for name, x in tensors.items():
-        if getattr(x, "dtype", None) != _F32:
-            raise TypeError(f"`{name}` must be a float32 tensor, got {x!r}.")
-
-
 def _rms(x):
     return tf.sqrt(tf.reduce_mean(tf.square(x)))
 
@@ -122,7 +114,7 @@ def adafactor(g, term, w, r, c, v, lr, step, epsilon_1, epsilon_2, beta_2_decay,
         ([[0.5, 0.5], [0.5, 0.5]], [1.0, 1.0], [[1.0, 1.0], [1.0, 1.0]])
     """
     factored = getattr(w, "shape", None) is not None and w.shape.rank >= 2
-    _float32(g=g, term=term, w=w, v=v, **({"r": r, "c": c} if factored else {}))
+    cu._float32(g=g, term=term, w=w, v=v, **({"r": r, "c": c} if factored else {}))
     if relative:
         lr = tf.minimum(lr, 1 / tf.sqrt(step))
     rho = tf.minimum(lr, 1 / tf.sqrt(step))

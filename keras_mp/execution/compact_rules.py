@@ -84,14 +84,6 @@ DITHER_BELOW = 2.0 ** -8
 _F32 = tf.float32
 
 
-def _float32(**tensors) -> None:
-    """Raises TypeError naming the first of ``tensors`` (the rules' gradient,
-    weight and slots) that is not a float32 tensor."""
-    for name, x in tensors.items():
-        if getattr(x, "dtype", None) != _F32:
-            raise TypeError(f"`{name}` must be a float32 tensor, got {x!r}.")
-
-
 def sgd(g, term, w, m, lr, momentum, nesterov):
     """SGD with momentum (Keras's ``SGD.update_step``, ``momentum != 0``)::
 
@@ -108,7 +100,7 @@ def sgd(g, term, w, m, lr, momentum, nesterov):
         >>> [float(x[0]) for x in sgd(g, None, w, m, 0.5, 0.5, True)]
         [1.375, -0.25]
     """
-    _float32(g=g, w=w, m=m)
+    cu._float32(g=g, w=w, m=m)
     m = m * momentum - g * lr
     return (w + (m * momentum - g * lr) if nesterov else w + m), m
 
@@ -131,7 +123,7 @@ def adamax(g, term, w, m, u, lr, one_minus_beta_1, beta_2, epsilon, one_minus_be
         >>> [float(x[0]) for x in adamax(g, tf.abs(g), z, z, z, 1.0, 0.5, 0.9, 0.0, 0.5)]
         [1.0, -1.0, 2.0]
     """
-    _float32(g=g, term=term, w=w, m=m, u=u)
+    cu._float32(g=g, term=term, w=w, m=m, u=u)
     m = m + (g - m) * one_minus_beta_1
     u = tf.maximum(beta_2 * u, term)
     return w - (lr * m) / (one_minus_beta_1_power * (u + epsilon)), m, u
@@ -159,7 +151,7 @@ def nadam(g, term, w, m, v, lr, one_minus_beta_1, one_minus_beta_2, u_t_1, one_m
         ...                             1.0, 1.0, 0.5, 0.0)]
         [-1.5, 0.5, 0.5]
     """
-    _float32(g=g, term=term, w=w, m=m, v=v)
+    cu._float32(g=g, term=term, w=w, m=m, v=v)
     m = m + (g - m) * one_minus_beta_1
     v = v + (term - v) * one_minus_beta_2
     m_hat = (u_t_1 * m) / one_minus_product_1 + (one_minus_u_t * g) / one_minus_product
@@ -182,7 +174,7 @@ def lion(g, term, w, m, lr, beta_1, one_minus_beta_1, beta_2, one_minus_beta_2):
         >>> [float(x[0]) for x in lion(g, None, w, m, 0.5, 0.5, 0.5, 0.5, 0.5)]
         [0.5, -1.5]
     """
-    _float32(g=g, w=w, m=m)
+    cu._float32(g=g, w=w, m=m)
     return w - lr * tf.sign(m * beta_1 + g * one_minus_beta_1), m * beta_2 + g * one_minus_beta_2
 
 

@@ -126,6 +126,14 @@ _LOW = 0xFFFF
 _ELEMENT, _STEP, _VARIABLE = 20011, 25033, 131
 
 
+def _float32(**tensors) -> None:
+    """Raises TypeError naming the first of ``tensors`` (a rule's gradient,
+    weight and slots) that is not a float32 tensor."""
+    for name, x in tensors.items():
+        if getattr(x, "dtype", None) != tf.float32:
+            raise TypeError(f"`{name}` must be a float32 tensor, got {x!r}.")
+
+
 def dither(shape, step, variable: int, salt: int, *, compiled: bool = False) -> tf.Tensor:
     """Numbers in ``[0, 2**16)``, one per element of ``shape``, from the
     element's index, ``step`` and ``variable`` (int32 arithmetic that never
