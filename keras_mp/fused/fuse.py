@@ -20,7 +20,6 @@ from __future__ import annotations
 import keras
 
 from keras_mp._cloning import clone_with_weights
-from keras_mp.device import xla
 from keras_mp.fused.layers import MultiHeadAttention, float32_alone, fused_class
 
 __all__ = ["fuse"]
@@ -124,9 +123,8 @@ def _swap_in_place(model: keras.Model) -> None:
         fused_cls = fused_class(type(layer))
         if fused_cls is None:
             continue
-        if fused_cls is MultiHeadAttention and (not xla.uses_xla("matmul")
-                                                or float32_alone(layer)):
-            continue  # its fused path needs XLA's matmuls, and 16 bits (keras_mp.fused.layers)
+        if fused_cls is MultiHeadAttention and float32_alone(layer):
+            continue  # Keras's code where float32 is the only candidate (keras_mp.fused.layers)
         original = type(layer)
         shapes = getattr(layer, "_build_shapes_dict", None) or {}
         shape = next(iter(shapes.values()), None)

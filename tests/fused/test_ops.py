@@ -10,6 +10,7 @@ absolute, for values of order one.
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -426,8 +427,7 @@ def _mha_weights(dim=8, heads=2, key_dim=4, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_multi_head_attention_matches_reference(dtype):
-    xla.set_xla("matmul", True)
+def test_multi_head_attention_matches_reference(dtype, matmul_placement):
     try:
         q = _as(_rng().normal(size=(2, 5, 8)), dtype)
         v = _as(_rng(1).normal(size=(2, 7, 8)), dtype)
@@ -443,6 +443,69 @@ def test_multi_head_attention_matches_reference(dtype):
         _assert_close_relative_to_largest(y, y_ref, grads, grads_ref, ATTENTION_TOL[dtype])
     finally:
         xla.set_xla("matmul", None)
+
+
+def _keras_attention(q, v, w, dtype):
+    """Keras's own layer under ``mixed_<dtype>`` (or float32) with weights ``w``."""
+    policy = "float32" if dtype == "float32" else f"mixed_{dtype}"
+    layer = keras.layers.MultiHeadAttention(2, 4, dtype=policy)
+    layer(q, v)
+    layer.set_weights([np.asarray(t) for t in w])
+    return layer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("softmax_in_xla", [False, True], ids=["tf_softmax", "xla_softmax"])
+def test_attention_outside_xla_is_keras(dtype, softmax_in_xla):
+    """The graph form (matmuls in oneDNN) computes Keras's outputs: the same
+    products, the scores scaled and normalized in float32; bit for bit where
+    TensorFlow's softmax runs, within a float32 rounding of the softmax
+    (one unit of the last place at most) where XLA's kernel does."""
+    q = tf.constant(_rng().normal(size=(2, 5, 8)), tf.float32)
+    v = tf.constant(_rng(1).normal(size=(2, 7, 8)), tf.float32)
+    w = _mha_weights()
+    layer = _keras_attention(q, v, w, dtype)
+    xla.set_xla("matmul", False)
+    xla.set_xla("elementwise", softmax_in_xla)
+    try:
+        y = kops.multi_head_attention(tf.cast(q, dtype), tf.cast(v, dtype), tf.cast(v, dtype),
+                                      w, scale=0.5)
+    finally:
+        xla.set_xla("matmul", None)
+        xla.set_xla("elementwise", None)
+    y_ref = _f32(layer(q, v))
+    if softmax_in_xla:
+        ulp = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -22
+        np.testing.assert_allclose(_f32(y), y_ref, rtol=0, atol=4 * ulp * np.abs(y_ref).max())
+    else:
+        np.testing.assert_array_equal(_f32(y), y_ref)
+
+
+def test_attention_outside_xla_sums_bias_gradients_in_float32():
+    """Each bias gradient of the bfloat16 graph form is as close to float32's
+    as Keras's own layer's (TensorFlow's BiasAddGrad, summing in bfloat16,
+    was 10-30x further off)."""
+    q = tf.constant(_rng().normal(size=(8, 64, 8)), tf.float32)
+    w = _mha_weights()
+    cot = tf.constant(_rng(9).normal(size=(8, 64, 8)), tf.float32)
+    layer = _keras_attention(q, q, w, "bfloat16")
+    xla.set_xla("matmul", False)
+    try:
+        _, mine = _value_and_grads(lambda q, *w: kops.multi_head_attention(
+            tf.cast(q, tf.bfloat16), tf.cast(q, tf.bfloat16), tf.cast(q, tf.bfloat16), w,
+            scale=0.5), [q, *w], cot)
+        _, exact = _value_and_grads(lambda q, *w: kops.multi_head_attention(
+            q, q, q, w, scale=0.5), [q, *w], cot)
+    finally:
+        xla.set_xla("matmul", None)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.cast(layer(q, q), tf.float32) * cot)
+    keras_grads = tape.gradient(loss, layer.trainable_weights)
+    for i in (1, 5, 7):  # query, value and output biases (the key bias's is ~0)
+        err = np.linalg.norm(_f32(mine[1 + i]) - _f32(exact[1 + i]))
+        keras_err = np.linalg.norm(_f32(keras_grads[i]) - _f32(exact[1 + i]))
+        assert err <= 2 * keras_err + 1e-6 * np.linalg.norm(_f32(exact[1 + i])), (i, err,
+                                                                                    keras_err)
 
 
 def test_multi_head_attention_without_biases_and_bad_weights():
