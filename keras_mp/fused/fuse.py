@@ -47,7 +47,7 @@ def fuse(model: keras.Model, *, inplace: bool = False) -> keras.Model:
     attention's ``Softmax``) and nested models are fused too. In place, a
     layer whose fused class would run Keras's code anyway (a Dense whose
     activation has no fused kernel, normalization over another axis, a
-    ``MultiHeadAttention`` where matmuls stay outside XLA) keeps its Keras
+    policy of float32 alone: :func:`~keras_mp.fused.layers.float32_alone`) keeps its Keras
     class; the copy swaps every layer of a supported class, as before.
 
     Args:

@@ -306,9 +306,11 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     forward and backward, on an AMX-BF16 Xeon).
 
     Fused where the call has no mask (explicit, causal or carried by the
-    inputs), no attention scores returned and no active dropout, and the
-    layer's policy is not float32 alone (:func:`float32_alone`); any other
-    call runs Keras's code. Weights and config are Keras's own.
+    inputs), no attention scores returned and no active dropout, the
+    projections compute in the layer's dtype (an adaptive policy may
+    promote one alone) and the layer's policy is not float32 alone
+    (:func:`float32_alone`); any other call runs Keras's code. Weights and
+    config are Keras's own.
 
     Example:
         >>> import keras
@@ -332,7 +334,12 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 and self._key_dense.equation == "abc,cde->abde"
                 and self._value_dense.equation == "abc,cde->abde"
                 and self._output_dense.equation == "abcd,cde->abe"
-                and self._attention_axes == (1,))
+                and self._attention_axes == (1,)
+                # One dtype for the whole computation: a projection an adaptive
+                # policy promoted alone runs in its own dtype, in Keras's code.
+                and all(sub.compute_dtype == self.compute_dtype for sub in (
+                    self._query_dense, self._key_dense, self._value_dense,
+                    self._output_dense)))
 
     def call(self, query, value, key=None, query_mask=None, value_mask=None,
              key_mask=None, attention_mask=None, return_attention_scores=False,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_mp
 from keras_mp.fused import layers as klayers
 from keras_mp.device import xla
 from tests.fused.test_ops import _assert_close_relative_to_largest
@@ -339,6 +340,21 @@ def test_multi_head_attention_masked_calls_run_keras(matmul_in_xla):
     assert scores.shape == (2, 2, 5, 6)
     np.testing.assert_allclose(fused(q, q, use_causal_mask=True),
                                ref(q, q, use_causal_mask=True), atol=1e-5)
+
+
+def test_multi_head_attention_runs_keras_where_a_projection_was_promoted_alone():
+    """An adaptive policy may promote one projection to float32: the fused
+    computation has one dtype, so that call runs Keras's code."""
+    with keras_mp.policy_scope("adaptive_bfloat16") as policy:
+        layer = klayers.MultiHeadAttention(2, 4)
+    q = tf.random.normal([2, 5, 8])
+    layer(q, q)
+    fusable = lambda: layer._fusable(q, q, None, (None,) * 4, False, None, False)  # noqa: E731,SLF001
+    assert fusable()
+    policy.assign(layer._query_dense.path, "float32")  # noqa: SLF001
+    assert layer._query_dense.compute_dtype == "float32"  # noqa: SLF001
+    assert not fusable()
+    assert layer(q, q).dtype == tf.bfloat16
 
 
 def test_multi_head_attention_serializes():
