@@ -290,7 +290,7 @@ def _kernel_args():
         "bias_activation": [(x, v, "gelu"), (x, x, v, "gelu")],
         "layer_norm": [(x, v, v, 1e-3), (x, x, v, v, 1e-3)],
         "rms_norm": [(x, v, 1e-6), (x, x, v, 1e-6)],
-        "softmax": [(x, mask, -1), (x, x, -1)],
+        "softmax": [(x, mask, -1, 1.0), (x, x, -1, 1.0)],
         "sparse_softmax_cross_entropy": [(labels, x, True),
                                          (tf.ones([2, 3], tf.bfloat16), labels, x,
                                           tf.ones([2, 3], tf.float32))],

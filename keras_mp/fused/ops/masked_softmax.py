@@ -18,8 +18,10 @@ _MASK_VALUE = -1e9
 
 
 @xla.jit("elementwise")
-def _softmax_fwd(x, mask, axis):
-    x32 = _float(x)
+def _softmax_fwd(x, mask, axis, scale):
+    # ``scale``: the attention's scores scaled in float32 first
+    # (keras_mp.fused.ops.attention), as keras.ops.dot_product_attention does.
+    x32 = _float(x) if scale == 1.0 else _float(x) * scale
     if mask is not None:
         x32 = tf.where(mask, x32, _MASK_VALUE)
     y = tf.nn.softmax(x32, axis=axis)
@@ -30,11 +32,11 @@ def _softmax_fwd(x, mask, axis):
 
 
 @xla.jit("elementwise")
-def _softmax_bwd(dy, y, axis):
+def _softmax_bwd(dy, y, axis, scale):
     y32 = _float(y)
     dy32 = _float(dy)
     dx = y32 * (dy32 - tf.reduce_sum(dy32 * y32, axis, keepdims=True))
-    return tf.cast(dx, y.dtype)
+    return tf.cast(dx if scale == 1.0 else dx * scale, y.dtype)
 
 
 def _as_bool_mask(mask, x: tf.Tensor) -> tf.Tensor | None:
@@ -87,10 +89,10 @@ def softmax(x, mask=None, *, axis: int = -1) -> tf.Tensor:
 
     @tf.custom_gradient
     def fused(x):
-        y = _softmax_fwd(x, bool_mask, axis)
+        y = _softmax_fwd(x, bool_mask, axis, 1.0)
 
         def grad(dy):
-            return _softmax_bwd(dy, y, axis)
+            return _softmax_bwd(dy, y, axis, 1.0)
 
         return y, grad
 
