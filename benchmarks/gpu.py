@@ -79,7 +79,9 @@ def _run_tests(root: str) -> int | None:
     if not tests:
         print("No tests/ folder here (not a repository checkout): kernel tests not run.")
         return None
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    # One process on the one GPU (pyproject.toml's addopts ask pytest-xdist for two).
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+           "-o", "addopts=-ra", *tests]
     print("$", " ".join(cmd[2:]), flush=True)
     return subprocess.run(cmd, cwd=root, check=False).returncode
 

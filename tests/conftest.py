@@ -61,6 +61,29 @@ _cpu_seen_by_the_tests()
 MEASURING_PACKAGE = "tests.execution."
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject.toml): two workers, or ``KERAS_MP_TEST_WORKERS``.
+
+    On CI's 2 cores one session's process kept 1.5 cores busy (most tests
+    trace and run Python on one thread); two workers keep both busy. Each
+    worker holds TensorFlow and its models (up to 5 GB), so not one per core
+    on larger machines."""
+    return int(os.environ.get("KERAS_MP_TEST_WORKERS", "2"))
+
+
+def pytest_configure(config):
+    """The xdist controller makes the folder its workers share for the
+    background pipelines (tests/background.py); workers inherit it."""
+    from tests import background
+
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None) \
+            and not os.environ.get(background.SHARED):
+        import tempfile
+
+        os.environ[background.SHARED] = tempfile.mkdtemp(prefix="keras_mp_background_")
+        config._keras_mp_shared = os.environ[background.SHARED]
+
+
 def pytest_collection_finish(session):
     """The subprocess pipelines that selected tests wait for start now, in
     the background (tests/background.py): the lifecycle of every execution
@@ -76,9 +99,14 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
     from tests import background
 
     background.shutdown()
+    shared = getattr(session.config, "_keras_mp_shared", None)
+    if shared:   # the controller, after its workers
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
