@@ -29,7 +29,10 @@ def _timed(stream):
     return progress
 
 
-def test_progress_on_a_terminal_shows_model_variant_round_and_time_left():
+def test_progress_on_a_terminal_shows_model_variant_round_and_time_left(monkeypatch):
+    # The line is cut to the terminal's width: a wide one here, whatever
+    # pytest's own output is (an xdist worker's narrower one cut the line).
+    monkeypatch.setenv("COLUMNS", "200")
     stream = _Terminal()
     _timed(stream)
     frames = stream.getvalue().split("\r")
