@@ -250,8 +250,9 @@ def train(policy: str, folder: str) -> None:
         # 23 % of the largest output here, on top of int8's 4 %), layer by
         # layer as the model left them: what keras_mp.quantize quantizes
         # (its plan: a layer adaptive training promoted, or the probe found
-        # sensitive, stays in float; a CI run once promoted one float8
-        # layer) or all of them (Keras's model.quantize); computed in
+        # sensitive, stays in float: an all-int8 reference then differs by
+        # about 1.7 %, as a CI run once did) or all of them (Keras's
+        # model.quantize); computed in
         # bfloat16 for a bfloat16 or float8 layer (Keras's
         # int8_from_mixed_bfloat16), in float32 for a float32 layer and a
         # quantized float16 one (Keras refuses int8 on float16).
