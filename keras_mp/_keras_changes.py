@@ -136,6 +136,13 @@ ON_IMPORT: tuple[Change, ...] = (
            "a loaded model gets back the one adaptive policy it was saved with, whatever the "
            "global policy; a layer made with an adaptive policy keeps its auto config",
            "3.15.1", "keras_mp.adaptive.policy.saved_policy", _saved_policy),
+    Change("fused_saves", "feature",
+           ("keras.src.saving.saving_lib:_serialize_model_as_json",
+            "keras.src.saving.saving_lib:_model_from_config"),
+           "a .keras file records which layers were fused, and a load gives them their fused "
+           "class again, the layers a custom layer makes in its __init__ included, so the loaded "
+           "model predicts what the saved one did",
+           "3.15.1", "keras_mp.fused.saved", _call("keras_mp.fused.saved", "install")),
     Change("rescues", "feature",
            ("keras:layers.Layer.__call__", "keras:layers.Layer.add_loss",
             "keras.layers:Normalization.adapt", "keras:Model.compute_metrics"),

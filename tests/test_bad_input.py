@@ -47,6 +47,8 @@ from keras_mp.adaptive.policy import layer_paths
 from keras_mp.scaling import kernels, layer_scales, loss_scale, optimizer, skips
 from keras_mp.device import memory, xla
 from keras_mp.fused.fuse import fuse as fuse_model
+from keras_mp.fused import saved as fused_saved
+from keras_mp.fused.fuse import swap_in_place
 
 MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain",
            "adaptive.decisions.rule", "adaptive.decisions.scale_rule", "adaptive.evidence.float8",
@@ -67,7 +69,7 @@ MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain
            "execution.compact_update", "execution.inference", "execution.native_update",
            "execution.optimizer_state", "execution.reasons", "execution.remat",
            "execution.step_trial", "fused", "fused.fuse", "fused.layers", "fused.losses",
-           "fused.metrics", "fused.ops", "fused.shared_matches", "policies", "scaling",
+           "fused.metrics", "fused.ops", "fused.saved", "fused.shared_matches", "policies", "scaling",
            "scaling.kernels", "scaling.layer_scales", "scaling.loss_scale", "scaling.optimizer",
            "scaling.skips", "tuning"]
 
@@ -102,6 +104,7 @@ NO_ARGUMENTS = {
     "fused.layers.fused_activation",  # a lookup: None for anything without a fused kernel
     "fused.shared_matches.sharing", "fused.shared_matches.active",
     "fused.shared_matches.take",  # a lookup by identity: None for anything not left there
+    "fused.saved.install",  # wraps Keras's own saving functions, once, on import
     "adaptive.policy.layer_paths.same_layer",  # two strings: whether they name one layer
     "adaptive.policy.layer_paths.name_paths",  # a container: names its path-less layers
     # an exception class (raised by LossScaleOptimizer, its row below), and the
@@ -393,6 +396,11 @@ CASES = [
     ("distribute.check_strategy", lambda: distribute.check_strategy("mirrored"), TypeError,
      "`strategy`"),
     # fuse
+    ("fused.fuse.swap_in_place", lambda: swap_in_place("dense"), TypeError, "`layer`"),
+    ("fused.saved.record", lambda: fused_saved.record("model"), TypeError, "`model`"),
+    ("fused.saved.restore", lambda: fused_saved.restore("model", []), TypeError, "`model`"),
+    ("fused.saved.restore", lambda: fused_saved.restore(_model(), [[0, "Dense", 1]]), ValueError,
+     "keras_mp_fused"),
     ("fused.fuse.fuse", lambda: fuse_model("model"), TypeError, "`model`"),
     ("fused.fuse.fuse", lambda: fuse_model(_model(), inplace=1), TypeError, "`inplace`"),
     ("fused.losses.SparseCategoricalCrossentropy",

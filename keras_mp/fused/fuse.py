@@ -20,9 +20,12 @@ from __future__ import annotations
 import keras
 
 from keras_mp._cloning import clone_with_weights
-from keras_mp.fused.layers import MultiHeadAttention, float32_alone, fused_class
+from keras_mp.fused.layers import FUSED_LAYERS, MultiHeadAttention, float32_alone, fused_class
 
-__all__ = ["fuse"]
+__all__ = ["fuse", "swap_in_place"]
+
+#: The fused classes themselves.
+FUSED_CLASSES = frozenset(FUSED_LAYERS.values())
 
 
 def _swap(layer: keras.layers.Layer) -> keras.layers.Layer:
@@ -115,24 +118,44 @@ def fuse(model: keras.Model, *, inplace: bool = False) -> keras.Model:
 
 def _swap_in_place(model: keras.Model) -> None:
     """Gives every layer of an exact supported class, at any depth, its fused
-    class where the fused kernel would run (the fused classes add no state,
-    only :meth:`call` differs); a layer that would run Keras's code anyway
-    (an activation without a kernel, another axis) keeps its Keras class, so
-    a saved model needs keras_mp only where it uses a fused layer."""
+    class where the fused kernel would run (:func:`swap_in_place`)."""
     for layer in model._flatten_layers(include_self=False, recursive=True):
-        fused_cls = fused_class(type(layer))
-        if fused_cls is None:
-            continue
-        if fused_cls is MultiHeadAttention and float32_alone(layer):
-            continue  # Keras's code where float32 is the only candidate (keras_mp.fused.layers)
-        original = type(layer)
-        shapes = getattr(layer, "_build_shapes_dict", None) or {}
-        shape = next(iter(shapes.values()), None)
-        layer.__class__ = fused_cls
-        if hasattr(fused_cls, "_input_rank") and shape is not None:
-            layer._input_rank = len(shape)
-        if not getattr(layer, "fused", True):
-            layer.__class__ = original
+        swap_in_place(layer)
+
+
+def swap_in_place(layer: keras.layers.Layer) -> bool:
+    """Gives ``layer`` its fused class where it has one and the fused kernel
+    would run (the fused classes add no state, only :meth:`call` differs);
+    a layer that would run Keras's code anyway (an activation without a
+    kernel, another axis, float32 alone) keeps its Keras class, so a saved
+    model needs keras_mp only where it uses a fused layer. Returns whether
+    the layer is fused now.
+
+    Example:
+        >>> import keras
+        >>> layer = keras.layers.Dense(2, activation="gelu", dtype="mixed_bfloat16")
+        >>> swap_in_place(layer), type(layer).__module__
+        (True, 'keras_mp.fused.layers')
+    """
+    if not isinstance(layer, keras.layers.Layer):
+        raise TypeError(f"`layer` must be a Keras layer, got {type(layer).__name__}.")
+    if type(layer) in FUSED_CLASSES:
+        return True
+    fused_cls = fused_class(type(layer))
+    if fused_cls is None:
+        return False
+    if fused_cls is MultiHeadAttention and float32_alone(layer):
+        return False  # Keras's code where float32 is the only candidate (keras_mp.fused.layers)
+    original = type(layer)
+    shapes = getattr(layer, "_build_shapes_dict", None) or {}
+    shape = next(iter(shapes.values()), None)
+    layer.__class__ = fused_cls
+    if hasattr(fused_cls, "_input_rank") and shape is not None:
+        layer._input_rank = len(shape)
+    if not getattr(layer, "fused", True):
+        layer.__class__ = original
+        return False
+    return True
 
 
 def _is_graph_model(model: keras.Model) -> bool:
