@@ -86,7 +86,7 @@ def test_layers_made_in_a_custom_layers_init_come_back_fused(policy, tmp_path):
         model.save(path)
         with zipfile.ZipFile(path) as zf:
             config = zf.read("config.json")
-        assert json.loads(config)[saved.KEY] == saved.record(model)
+        assert json.loads(config).get(saved.KEY, []) == saved.record(model)  # none: float32 alone
         # The block's layers take the global policy when made: as Keras
         # needs, the Keras policy is set again for the load (an adaptive one
         # comes back from the file whatever the global policy).
