@@ -11,7 +11,8 @@ configs with random weights at CI sizes (tests/real_models/models.py), under
 For each model and policy, tests/real_models/lifecycle.py fits with plain
 ``compile``/``fit`` (the loss must be finite and decrease), checks that
 ``keras_mp.precision_report`` lists every layer that computes, fuses the
-model (``keras_mp.fuse``: same outputs), and takes it through ``.keras``
+model (``keras_mp.fuse``: same outputs; the fused model saved and loaded
+predicts the same, to the bit), and takes it through ``.keras``
 save and load in a fresh process (same predictions), ``model.export``
 served by a fresh process, ONNX run by onnxruntime in a fresh process,
 ``keras-mp export --format litert`` run in TFLite's interpreter,
