@@ -48,9 +48,11 @@ from keras_mp.scaling import kernels, layer_scales, loss_scale, optimizer, skips
 from keras_mp.device import memory, xla
 from keras_mp.fused.fuse import fuse as fuse_model
 from keras_mp.fused import saved as fused_saved
+from keras_mp.adaptive.decisions import probe_schedule
 from keras_mp.fused.fuse import swap_in_place
 
 MODULES = ["adaptive", "adaptive.decisions.controller", "adaptive.decisions.gain",
+           "adaptive.decisions.probe_schedule",
            "adaptive.decisions.rule", "adaptive.decisions.scale_rule", "adaptive.evidence.float8",
            "adaptive.evidence.forward", "adaptive.evidence.hooks", "adaptive.evidence.probe",
            "adaptive.evidence.stats", "adaptive.fit.autofit", "adaptive.integration.loss_scales",
@@ -164,6 +166,14 @@ def _hp():
 # (public name, call, error types, regex that must appear: the argument's name)
 CASES = [
     # callbacks
+    ("callbacks.AdaptivePrecision", lambda: callbacks.AdaptivePrecision(probe_backoff=0),
+     ValueError, "`probe_backoff`"),
+    ("callbacks.AdaptivePrecision", lambda: callbacks.AdaptivePrecision(probe_every=np.float32(4)),
+     ValueError, "`probe_every`"),
+    ("adaptive.decisions.probe_schedule.ProbeSchedule",
+     lambda: probe_schedule.ProbeSchedule(0, 8, 10, 10), ValueError, "`probe_every`"),
+    ("adaptive.decisions.probe_schedule.probe_calls",
+     lambda: probe_schedule.probe_calls(-1, 200), ValueError, "`total`"),
     ("callbacks.AdaptivePrecision", lambda: callbacks.AdaptivePrecision(0), ValueError,
      "`interval`"),
     ("callbacks.AdaptivePrecision", lambda: callbacks.AdaptivePrecision("10"), ValueError,

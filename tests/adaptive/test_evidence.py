@@ -230,7 +230,8 @@ def test_bfloat16_rounding_loss_is_rescued_by_the_probe(monkeypatch):
     kw = dict(epochs=8, batch_size=64, lr=3e-3, loss="mse", metrics=())
     mse32 = _fit(_regression_model, data, "float32", **kw)[1]
     mse16 = _fit(_regression_model, data, "mixed_bfloat16", **kw)[1]
-    cb = AdaptivePrecision(interval=32)
+    # A probe in the fit's last interval (one call in 64, no back-off) for the report's row.
+    cb = AdaptivePrecision(interval=32, probe_backoff=1)
     model, mse = _fit(_regression_model, data, "adaptive_bfloat16", [cb], **kw)
     print(f"test MSE: float32 {mse32:.4g}  mixed_bfloat16 {mse16:.4g}  adaptive {mse:.4g}")
     print(precision_report(model))

@@ -3,42 +3,38 @@
 ``fit`` adds one to a model under an adaptive policy (:mod:`~keras_mp.adaptive.fit.autofit`).
 What the callback does, and when:
 
-* ``set_model`` (Keras calls it when ``fit`` starts, before the train function is built; the
-  execution mode is chosen in ``set_params``, once the fit's length is known): finds
-  the model's :class:`keras_mp.AdaptivePolicy` and its controlled layers
-  (:func:`keras_mp.policies.adaptive_layers`: every layer, with or without weights), those an
-  earlier fit too small to gain put in float32 back in their narrowest dtype
-  (:func:`~keras_mp.adaptive.integration.switching.release`), frozen weights stored in that
-  dtype (:mod:`~keras_mp.adaptive.storage.frozen`). With float32 the only candidate it does
-  nothing else. Otherwise it installs the model's
-  :class:`~keras_mp.adaptive.evidence.hooks.Hooks` (forward statistics, the probe), attaches a
+* ``set_model`` (when ``fit`` starts; the execution mode is chosen in ``set_params``, once the
+  fit's length is known): finds the model's :class:`keras_mp.AdaptivePolicy` and its controlled
+  layers (:func:`keras_mp.policies.adaptive_layers`), puts those an earlier fit too small to
+  gain kept in float32 back in their narrowest dtype (``switching.release``), stores frozen
+  weights in it (:mod:`~keras_mp.adaptive.storage.frozen`). With float32 the only candidate it
+  does nothing else. Otherwise it installs the model's
+  :class:`~keras_mp.adaptive.evidence.hooks.Hooks`, attaches a
   :class:`~keras_mp.adaptive.evidence.stats.LayerStatistics` and wraps the optimizer in a
-  :class:`keras_mp.LossScaleOptimizer` whose ``statistics_sink`` is the statistics
-  (:func:`~keras_mp.adaptive.integration.optimizer_setup.connect`): a dynamic loss scale where
-  float16 is a candidate or ``loss_scale`` is given, ``FixedLossScale(1.0)`` elsewhere, only to
-  skip non-finite steps (:mod:`~keras_mp.adaptive.integration.skipping`).
-* per train-function call, it picks a step: plain, statistics (gradient and forward statistics,
-  one in ``statistics_every``) or probe (statistics plus the float32 probe, one in
-  ``probe_every``). Plain and statistics steps share one trace whose statistics run only when a
-  switch is on (:mod:`~keras_mp.adaptive.evidence.hooks`); the execution trial times its plain
-  steps. The probe is traced on its own (eager in a fit of few probe calls) and runs on the
-  batch the statistics step then trains on (:mod:`~keras_mp.adaptive.integration.step_functions`);
+  :class:`keras_mp.LossScaleOptimizer` that feeds them (``optimizer_setup.connect``): a dynamic
+  scale where float16 is a candidate or ``loss_scale`` is given, else ``FixedLossScale(1.0)``,
+  only to skip non-finite steps (:mod:`~keras_mp.adaptive.integration.skipping`).
+* per train-function call, it picks a step: plain, statistics (one in ``statistics_every``) or
+  probe (statistics plus the float32 probe, one in ``probe_every``, less often while probes
+  confirm: :mod:`~keras_mp.adaptive.decisions.probe_schedule`). Plain and statistics steps share
+  one trace (:mod:`~keras_mp.adaptive.evidence.hooks`); the probe is traced on its own (eager in
+  a fit of few probe calls) on the batch the statistics step then trains on
+  (:mod:`~keras_mp.adaptive.integration.step_functions`);
 * after ``first_decision`` calls (early judgement), then every ``interval`` calls: reads the
   statistics once, asks :func:`~keras_mp.adaptive.decisions.controller.decide`, assigns the new
   dtypes in the policy and rebuilds the train functions only if a dtype (or a trial) changed.
   No variable is stored anew inside a fit.
 * every epoch end: a callback passed to ``fit`` adds ``precision_switches`` and
-  ``precision_narrow_layers`` to the logs (``History``); the one ``fit`` adds by itself
-  (``history_logs=False``) leaves ``History`` as Keras's (Keras's ``model_test.py`` compares its
-  keys); with ``log_dir``, writes per-layer scalars for TensorBoard.
+  ``precision_narrow_layers`` to the logs (``History``; the one ``fit`` adds by itself leaves
+  Keras's keys); with ``log_dir``, writes per-layer scalars for TensorBoard.
 
 Persistence: the per-layer dtypes, controller records and step count live in the policy (written
 once per model into a ``.keras`` file, read back whatever the loading process's global policy:
-:mod:`~keras_mp.adaptive.policy.saved_policy`) and in variables of a small state object attached
-to the model (which ``save_weights``, ``ModelCheckpoint``, ``BackupAndRestore`` and
-``tf.train.Checkpoint(model=...)`` save and load). When ``fit`` starts, those variables win if
-they differ from the policy: they were just restored, with the switch histories and timeline
-beside them (a finished run's backup: when ``fit`` ends).
+:mod:`~keras_mp.adaptive.policy.saved_policy`) and in variables of a small state object attached to
+the model (which ``save_weights``, ``ModelCheckpoint``, ``BackupAndRestore`` and
+``tf.train.Checkpoint(model=...)`` save and load). When ``fit`` starts, those variables win if they
+differ from the policy: they were just restored, with the switch histories and timeline beside them
+(a finished run's backup: when ``fit`` ends).
 
 Example:
     >>> import keras, numpy as np, keras_mp
@@ -65,6 +61,7 @@ import tensorflow as tf
 from keras_mp import _checks as checks
 from keras_mp import execution
 from keras_mp.adaptive.decisions import controller
+from keras_mp.adaptive.decisions.probe_schedule import DEFAULT_BACKOFF, ProbeSchedule
 from keras_mp.adaptive.evidence import float8, probe as probe_lib
 from keras_mp.adaptive.evidence.hooks import Hooks
 from keras_mp.adaptive.evidence.stats import LayerStatistics
@@ -87,59 +84,57 @@ _HOOKS_ATTR = "_keras_mp_hooks"
 
 
 class AdaptivePrecision(keras.callbacks.Callback):
-    """Chooses each layer's compute dtype during ``fit`` from live evidence:
-    gradient statistics, forward statistics of every layer, and a float32
-    probe for rounding loss (see the module docstring for what happens when).
+    """Chooses each layer's compute dtype during ``fit`` from live evidence: gradient statistics,
+    forward statistics of every layer, and a float32 probe for rounding loss (see the module
+    docstring for what happens when).
 
     Args:
-        interval: train-function calls between decisions, an int >= 1. Each
-            decision reads a few small variables from the device once.
-        statistics_every: statistics are gathered on one train-function call
-            in this many (an int in ``[1, interval]``); the other calls run a
-            trace without them. None: ``min(20, max(1, interval // 5))``,
-            five samples per decision (every step for intervals below 10).
-        probe_every: the float32 probe runs on one call in this many (an int
-            >= 1), or None for never (then demotions rest on range evidence
-            alone). Default (``"auto"``): ``2 * interval``, on the last call of
-            every other decision interval. A probe costs about three extra
-            forward and backward passes, two of them in float32. Models with a
-            custom ``train_step`` get no probe.
-        loss_scale: the schedule used when the callback wraps the optimizer
-            (anything :class:`keras_mp.LossScaleOptimizer` accepts as
-            ``schedule``); None: ``"dynamic"`` when float16 is a candidate and
-            no wrapper otherwise. Ignored if the optimizer already is a
+        interval: train-function calls between decisions, an int >= 1. Each decision reads a few
+            small variables from the device once.
+        statistics_every: statistics are gathered on one train-function call in this many (an int
+            in ``[1, interval]``); the other calls run a trace without them. None:
+            ``min(20, max(1, interval // 5))``, five samples per decision.
+        probe_every: the float32 probe runs on one call in this many (an int >= 1; less often
+            while probes confirm: ``probe_backoff``), or None for never (then demotions rest on
+            range evidence alone). ``"auto"``: ``2 * interval``, the last call of every other
+            decision interval. A probe costs about three extra forward and backward passes, two
+            of them in float32. Models with a custom ``train_step`` get no probe.
+        loss_scale: the schedule used when the callback wraps the optimizer (anything
+            :class:`keras_mp.LossScaleOptimizer` accepts as ``schedule``); None: ``"dynamic"`` when
+            float16 is a candidate and no wrapper otherwise. Ignored if the optimizer already is a
             :class:`keras_mp.LossScaleOptimizer`.
-        first_decision: an int >= 1: a ``fit`` from scratch decides first after this many
-            calls or the first epoch if shorter, when before ``interval`` and the fit's
-            last call (``step_functions.first_call``); None: at ``interval``.
-        log_dir: a directory for TensorBoard scalars (per layer: compute bits and key
-            statistics; the loss scale; probe errors; switches), or None.
+        first_decision: an int >= 1: a ``fit`` from scratch decides first after this many calls or
+            the first epoch if shorter, when before ``interval`` and the fit's last call
+            (``step_functions.first_call``); None: at ``interval``.
+        log_dir: a directory for TensorBoard scalars (per layer: compute bits and key statistics;
+            the loss scale; probe errors; switches), or None.
         verbose: 1 prints every switch.
-        history_logs: True: ``precision_switches`` and ``precision_narrow_layers`` join
-            the epoch's logs (``History``); False: they stay Keras's (the callback
-            ``fit`` adds by itself).
+        history_logs: True: ``precision_switches`` and ``precision_narrow_layers`` join the epoch's
+            logs (``History``); False: they stay Keras's (the callback ``fit`` adds by itself).
+        probe_backoff: while every probe confirms the dtypes, the gap between probes doubles up to
+            ``probe_backoff * probe_every`` calls; any change brings it back
+            (:mod:`~keras_mp.adaptive.decisions.probe_schedule`). 1: never.
 
     Attributes:
-        events: every switch made so far, as dicts with ``step``, ``layer``,
-            ``old``, ``new`` and ``reason``.
-        scale_events: every loss-scale change the rule made (gradients that
-            underflowed with headroom), as dicts with ``step``, ``layer``
-            (None for the global scale; with per-layer loss scales, the path
-            of the layer whose own factor changed), ``old`` and ``new``.
+        events: every switch made so far, as dicts with ``step``, ``layer``, ``old``, ``new`` and
+            ``reason``.
+        scale_events: every loss-scale change the rule made (gradients that underflowed with
+            headroom), as dicts with ``step``, ``layer`` (None for the global scale; with
+            per-layer loss scales, the path of the layer whose own factor changed), ``old`` and
+            ``new``.
 
-    Use in a custom training loop: call :meth:`set_model` once (it wraps or
-    observes ``model.optimizer``; use its ``scale_loss`` if it has one, and
-    ``apply``), call the model with ``training=True``, then :meth:`step_end`
-    after each step; when it returns switches, trace the train step again
-    (e.g. build a new ``tf.function``). There statistics are gathered on
-    every step; call :meth:`probe` with a batch now and then for the float32
-    probe.
+    Use in a custom training loop: call :meth:`set_model` once (it wraps or observes
+    ``model.optimizer``; use its ``scale_loss`` if it has one, and ``apply``), call the model with
+    ``training=True``, then :meth:`step_end` after each step; when it returns switches, trace the
+    train step again (e.g. build a new ``tf.function``). There statistics are gathered on every
+    step; call :meth:`probe` with a batch now and then for the float32 probe.
     """
 
     def __init__(self, interval: int = 100, *, statistics_every: int | None = None,
                  probe_every: int | None | str = "auto", loss_scale: Any = None,
                  first_decision: int | None = 20, log_dir: str | None = None,
-                 verbose: int = 0, history_logs: bool = True):
+                 verbose: int = 0, history_logs: bool = True,
+                 probe_backoff: int = DEFAULT_BACKOFF):
         super().__init__()
         interval = checks.count("interval", interval, 1)
         if statistics_every is None:
@@ -147,11 +142,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
             # (the overhead budget: `python -m benchmarks.adaptive_overhead`).
             statistics_every = min(20, max(1, interval // 5))
         statistics_every = checks.count("statistics_every", statistics_every, 1, interval)
-        if probe_every == "auto":
-            probe_every = 2 * interval
-        if probe_every is not None and (isinstance(probe_every, bool)
-                                        or not isinstance(probe_every, int) or probe_every < 1):
-            raise ValueError(f"`probe_every` must be an int >= 1 or None, got {probe_every!r}.")
+        probe_every = 2 * interval if probe_every == "auto" else probe_every
+        if probe_every is not None:
+            probe_every = checks.count("probe_every", probe_every, 1)
         if log_dir is not None and not isinstance(log_dir, str):
             raise TypeError(f"`log_dir` must be a path string or None, got {log_dir!r}.")
         if verbose not in (0, 1):
@@ -162,6 +155,7 @@ class AdaptivePrecision(keras.callbacks.Callback):
         self.interval = interval
         self.statistics_every = statistics_every
         self.probe_every = probe_every
+        self.probe_backoff = checks.count("probe_backoff", probe_backoff, 1)
         self.loss_scale = loss_scale
         self.first_decision = None if first_decision is None else checks.count(
             "first_decision", first_decision, 1)
@@ -317,6 +311,9 @@ class AdaptivePrecision(keras.callbacks.Callback):
             timeline.restore(self.model, record["timeline"])
         if switching.adopt(self._policy, self._paths, self._layers, states, record.get("history")):
             self._rebuild()
+        held = self._state.probes and self._state.probes.get_config()  # this process's run
+        self._state.set_probes(None if self.probe_every is None else ProbeSchedule.start(
+            self.probe_every, self.probe_backoff, calls).restored(record.get("probes", held)))
         return record.get("schedule")
 
     def _rebuild(self) -> None:
@@ -373,8 +370,11 @@ class AdaptivePrecision(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self._inert:
             return
-        kind = step_functions.kind_of_call(self._calls + 1, self.statistics_every,
-                                           self.probe_every, self._first, self._first_start)
+        call, probes = self._calls + 1, self._state.probes
+        kind = step_functions.kind_of_call(call, self.statistics_every, self.probe_every,
+                                           self._first, self._first_start, probes and probes.next)
+        if kind == 2 and probes is not None and probes.due(call):
+            self._state.set_probes(probes.probed(call))
         self.model.train_function = self._train_functions()[kind]
 
     def on_train_batch_end(self, batch, logs=None):
@@ -408,12 +408,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
     # -- decisions ---------------------------------------------------------
 
     def step_end(self) -> list[dict[str, Any]]:
-        """Counts one train step (``fit`` calls it after each); every
-        ``interval`` calls, decides.
-
-        Returns:
-            The switches made now (usually none).
-        """
+        """Counts one train step (``fit`` calls it after each); every ``interval`` calls,
+        decides. Returns the switches made now (usually none)."""
         if self._policy is None:
             raise ValueError("Call set_model(model) before step_end().")
         if self._inert:
@@ -425,9 +421,8 @@ class AdaptivePrecision(keras.callbacks.Callback):
         return self.update()
 
     def probe(self, data) -> None:
-        """Runs the float32 probe on one batch (custom loops; ``fit`` probes by
-        itself every ``probe_every`` calls). Nothing is applied; the result
-        joins the interval's statistics.
+        """Runs the float32 probe on one batch (custom loops; ``fit`` probes by itself). Nothing
+        is applied; the result joins the interval's statistics.
 
         Args:
             data: a batch, ``x``, ``(x, y)`` or ``(x, y, sample_weight)``.
@@ -490,6 +485,11 @@ class AdaptivePrecision(keras.callbacks.Callback):
             self._writer = self._writer or tf.summary.create_file_writer(self.log_dir)
             tensorboard.write_interval(self._writer, self._calls, policy, self._paths, interval,
                                        len(made), loss_scales=self._scales.layer_loss_scales())
+        if self._state.probes is not None:  # probes back off while they confirm
+            calm = not (made or trials_changed or interval.all_nonfinite or any(
+                s.trial for s in new_states) or any(x.nonfinite for x in interval.layers))
+            self._state.set_probes(self._state.probes.decided(
+                self._calls, probed=interval.probe_steps > 0, confirmed=calm))
         if made or trials_changed:
             self._rebuild()
         return made

@@ -317,19 +317,28 @@ def first_call(first_decision: int | None, interval: int, steps: int | None,
 
 
 def kind_of_call(call: int, statistics_every: int, probe_every: int | None,
-                 first: int | None, start: int = 0) -> int:
+                 first: int | None, start: int = 0, next_probe: int | None = None) -> int:
     """Which train function a call runs: 0 plain, 1 statistics, 2 probe.
     In a window of early judgement, from call ``start`` to a decision at
     ``first``: five statistics samples and the probe on its call; then one
-    call in ``statistics_every`` and one in ``probe_every``.
+    call in ``statistics_every``, and the probe on one call in
+    ``probe_every`` or, where ``next_probe`` is given (fit's
+    :class:`keras_mp.adaptive.decisions.probe_schedule.ProbeSchedule`), from
+    that call on.
 
     Example:
         >>> [kind_of_call(c, 20, 200, 20) for c in (3, 4, 20, 40, 200)]
         [0, 1, 2, 1, 2]
         >>> [kind_of_call(c, 20, 200, 105, start=100) for c in (101, 104, 105, 106)]
         [1, 1, 2, 0]
+        >>> [kind_of_call(c, 20, 200, None, next_probe=400) for c in (200, 400)]
+        [1, 2]
     """
     early = first is not None and start < call <= first
-    probe = probe_every is not None and (call % probe_every == 0 or (early and call == first))
+    if probe_every is None:
+        probe = False
+    else:
+        periodic = call % probe_every == 0 if next_probe is None else call >= next_probe
+        probe = periodic or (early and call == first)
     every = max(1, (first - start) // 5) if early else statistics_every
     return 2 if probe else 1 if (call - (start if early else 0)) % every == 0 else 0

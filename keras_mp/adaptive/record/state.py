@@ -40,6 +40,7 @@ from keras.src.utils.tracking import DotNotTrackScope  # no public name
 
 from keras_mp import _installed
 from keras_mp.adaptive.decisions import controller
+from keras_mp.adaptive.decisions.probe_schedule import ProbeSchedule
 from keras_mp.adaptive.record import timeline as timeline_lib
 
 __all__ = ["RECORD_KEY", "STATE_FIELDS", "AttachedState", "PrecisionState"]
@@ -87,6 +88,7 @@ class PrecisionState(AttachedState):
         self._bound: tuple | None = None  # weak references to the model and its policy
         self._loaded: dict[str, Any] | None = None  # the record a weights file brought
         self._schedule: list[int] | None = None  # a decision due soon: [call, window start]
+        self._probes: ProbeSchedule | None = None  # where fit's probe runs next
 
     def bind(self, model: keras.Model, policy) -> None:
         """The model and policy whose record (switch histories, timeline)
@@ -99,10 +101,22 @@ class PrecisionState(AttachedState):
         that call decides there too."""
         object.__setattr__(self, "_schedule", None if call is None else [int(call), int(start)])
 
+    def set_probes(self, schedule: ProbeSchedule | None) -> None:
+        """Where ``fit``'s probe runs next (None: never), which the record
+        carries: a run resumed from a weights file probes where this one would."""
+        if schedule is not None and not isinstance(schedule, ProbeSchedule):
+            raise TypeError(f"`schedule` must be a ProbeSchedule or None, got {schedule!r}.")
+        object.__setattr__(self, "_probes", schedule)
+
+    @property
+    def probes(self) -> ProbeSchedule | None:
+        """The probe's schedule last set (:meth:`set_probes`), or None."""
+        return self._probes
+
     def record(self) -> dict[str, Any] | None:
         """The run's record as saved: ``history`` (layer path -> its switches),
-        ``timeline`` (:meth:`Timeline.get_config`, or None) and ``schedule``
-        (:meth:`set_schedule`); None unbound."""
+        ``timeline`` (:meth:`Timeline.get_config`, or None), ``schedule``
+        (:meth:`set_schedule`) and ``probes`` (:meth:`set_probes`); None unbound."""
         model, policy = (ref() for ref in self._bound) if self._bound else (None, None)
         if model is None or policy is None:
             return None
@@ -110,7 +124,8 @@ class PrecisionState(AttachedState):
         return {"history": {p: [dict(h) for h in policy.record(p).get("history", [])]
                             for p in self.paths},
                 "timeline": None if held is None else held.get_config(),
-                "schedule": self._schedule}
+                "schedule": self._schedule,
+                "probes": None if self._probes is None else self._probes.get_config()}
 
     def take_record(self) -> dict[str, Any] | None:
         """The record the last weights file loaded brought (once; None
