@@ -31,11 +31,12 @@ choice of graph or XLA and the first statistics step, all before timing), the ro
 variants and timed by process CPU time and by wall time. Each figure is the
 median over the rounds with its spread (max - min), per training step.
 keras_mp's decisions (one per 100 calls) fall inside the rounds as they
-would in training. Its float32 probe (one call in 200 by default) is timed
-on its own after the rounds (:meth:`AdaptivePrecision.probe
-<keras_mp.callbacks.AdaptivePrecision.probe>`, the same computation on one
-batch) and its cost per step (the probe's time divided by ``probe_every``)
-is **added** to keras_mp's figures (``probe`` in the results says how much).
+would in training. Its float32 probe (one call in 200 at first, one in 1,600
+once probes keep confirming the dtypes) is timed on its own after the rounds
+(:meth:`AdaptivePrecision.probe <keras_mp.callbacks.AdaptivePrecision.probe>`,
+the same computation on one batch) and its cost per step (the probe's time
+divided by the mean gap between probes over a fit of ``LONG_FIT`` calls) is
+**added** to keras_mp's figures (``probe`` in the results says how much).
 Ratios are taken against ``keras_float32`` and against the best Keras
 variant (the fastest of the six one-liners, by the same clock) measured in
 the same run.
@@ -231,7 +232,7 @@ def _table(entries: dict[str, dict[str, Any]]) -> str:
     if probe:
         note = (f" keras_mp's figures include its float32 probe: {probe['cpu_s'] * 1e3:.0f} ms "
                 f"CPU ({probe['wall_s'] * 1e3:.0f} ms wall) per call, one call in "
-                f"{probe['every']}, i.e. +{probe['per_step_cpu_s'] * 1e3:.2f} ms CPU per step.")
+                f"{probe['every']:.0f} (a long fit's mean once probes confirm), i.e. +{probe['per_step_cpu_s'] * 1e3:.2f} ms CPU per step.")
     mem = (entries.get("keras_mp") or {}).get("memory_vs_keras")
     if mem:
         base_mib = next(e["memory"] for e in entries.values() if e.get("memory"))

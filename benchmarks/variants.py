@@ -140,8 +140,11 @@ def dtype_counts(model) -> dict[str, int]:
 
 def add_probe_cost(entry: dict[str, Any], callback, data) -> dict[str, Any] | None:
     """Times ``callback``'s float32 probe on one batch (median of 3 calls
-    after one to trace) and adds its cost per step (divided by
-    ``probe_every``) to every sample of ``entry``. Returns what was added."""
+    after one to trace) and adds its cost per step to every sample of
+    ``entry``: divided by the mean gap between probes in a fit of
+    :data:`LONG_FIT` calls whose probes confirm the dtypes, as in a run's
+    steady state (``probe_every`` doubling up to ``probe_backoff`` times it:
+    :mod:`keras_mp.adaptive.decisions.probe_schedule`). Returns what was added."""
     if callback.probe_every is None or getattr(callback, "_inert", False):
         return None
     batch = next(iter(data))
@@ -152,10 +155,14 @@ def add_probe_cost(entry: dict[str, Any], callback, data) -> dict[str, Any] | No
         callback.probe(batch)
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - w0)
+    from keras_mp.adaptive.decisions.probe_schedule import probe_calls
+
+    every = LONG_FIT / max(1, probe_calls(LONG_FIT, callback.probe_every, callback.probe_backoff))
     added = {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
-             "every": callback.probe_every}
+             "every": round(every, 1), "probe_every": callback.probe_every,
+             "probe_backoff": callback.probe_backoff}
     for clock in ("cpu", "wall"):
-        per_step = added[f"{clock}_s"] / callback.probe_every
+        per_step = added[f"{clock}_s"] / every
         added[f"per_step_{clock}_s"] = per_step
         e = entry[clock]
         e["samples"] = [x + per_step for x in e["samples"]]

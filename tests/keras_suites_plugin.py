@@ -43,8 +43,9 @@ def _lso_class():
 def _adapting_on_short_fits() -> None:
     """Where every fit adapts, the suites' fits (a few steps each) run the
     statistics step and the float32 probe too: the callback ``fit`` adds
-    samples statistics on every call, probes every second call and decides
-    every second (with the defaults, a probe every 200 calls, the probe never
+    samples statistics on every call, probes from the second call on (every
+    second call, the gap growing while probes confirm, as in a user's run) and
+    decides every second (with the defaults, a probe every 200 calls, the probe never
     ran there; issue 49 item 2). A callback a test passes keeps its own."""
     import functools
 
