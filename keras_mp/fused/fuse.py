@@ -22,7 +22,7 @@ import keras
 from keras_mp._cloning import clone_with_weights
 from keras_mp.fused.layers import FUSED_LAYERS, MultiHeadAttention, float32_alone, fused_class
 
-__all__ = ["fuse", "swap_in_place"]
+__all__ = ["FUSED_CLASSES", "fuse", "swap_in_place"]
 
 #: The fused classes themselves.
 FUSED_CLASSES = frozenset(FUSED_LAYERS.values())

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
+from benchmarks.variants import LONG_FIT
 from keras_mp import cli
+from keras_mp.adaptive.decisions.probe_schedule import DEFAULT_BACKOFF, probe_calls
 
 
 def _exe():
@@ -99,7 +101,10 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     assert mlp[best]["vs_best_keras"]["wall"] == pytest.approx(1.0)
     assert mlp["keras_mp"]["mode"] in ("xla", "xla_update", "graph")
     probe = mlp["keras_mp"]["probe"]  # None where "adaptive" is float32 alone
-    assert probe is None or (probe["every"] == 200 and probe["per_step_cpu_s"] > 0)
+    # Charged over a long fit's mean gap between probes once they confirm (the back-off).
+    mean_gap = round(LONG_FIT / probe_calls(LONG_FIT, 200, DEFAULT_BACKOFF), 1)
+    assert probe is None or (probe["every"] == mean_gap and probe["probe_every"] == 200
+                             and probe["per_step_cpu_s"] > 0)
     # Peak memory, a fresh process per variant: keras_float32 and keras_mp
     # (the Keras one-liner of its dtype is not among these variants).
     for v in ("keras_float32", "keras_mp"):

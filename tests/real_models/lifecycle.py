@@ -242,10 +242,11 @@ def train(name: str, policy: str, mode: str, folder: str, length: str = "full") 
     steps("backup_and_restore", backup)
 
     def evidence():
-        # Statistics on every call and the float32 probe on every other: the
-        # traces a plain fit reaches at its 20th and 200th calls.
+        # Statistics on every call and the float32 probe on every other (no
+        # back-off, so the report's last interval holds one): the traces a
+        # plain fit reaches at its 20th and 200th calls.
         callback = keras_mp.callbacks.AdaptivePrecision(interval=2, statistics_every=1,
-                                                         probe_every=2)
+                                                         probe_every=2, probe_backoff=1)
         history = model.fit(x, y, batch_size=models.BATCH, epochs=1, verbose=0,
                             callbacks=[callback])
         if not np.isfinite(history.history["loss"]).all():
