@@ -193,19 +193,20 @@ def train(name: str, policy: str, mode: str, folder: str, length: str = "full") 
             fused = keras_mp.fuse(model)
         facts["fused_layers"] = sum(type(layer).__module__ == "keras_mp.fused.layers"
                                     for layer in fused._flatten_layers())
-        close(predict(fused, xs), pred, tol, "the fused copy's outputs")
-        return fused
+        fused_pred = predict(fused, xs)
+        close(fused_pred, pred, tol, "the fused copy's outputs")
+        return fused, fused_pred
     fused = steps("fuse", fuse)
 
-    def fused_reload():   # every fused layer comes back fused (keras_mp.fused.saved)
+    def fused_reload(fused, fused_pred):   # fused layers come back fused (keras_mp.fused.saved)
         path = os.path.join(folder, "fused.keras")
         fused.save(path)
         again = keras.saving.load_model(path)
         os.remove(path)
         facts["fused_reloaded"] = len(keras_mp.fused.saved.record(again))
-        close(predict(again, xs), predict(fused, xs), 0.0, "the fused model's reload")
+        close(predict(again, xs), fused_pred, 0.0, "the fused model's reload")
     if fused is not None:
-        steps("fused_reload", fused_reload)
+        steps("fused_reload", fused_reload, *fused)
     steps("save_keras", model.save, os.path.join(folder, "model.keras"))
     if length == "export":
         steps("model_export", lambda: model.export(os.path.join(folder, "sm_keras"),
